@@ -1,0 +1,1 @@
+"""Pure tensor math of the recipe's algorithms (torch only: no verl, Ray, vLLM or OmegaConf)."""

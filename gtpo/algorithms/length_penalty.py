@@ -1,0 +1,131 @@
+"""GROP: Group Relative Overlong Punishment (Tan et al., arXiv 2508.04349 v6, App. D; ALGORITHMS.md §5).
+
+Per prompt group with ``G`` responses, ``n`` correct, ``m = G - n`` incorrect, ``frac = n / G``:
+
+- easy (``frac >= gamma1``): penalise the correct responses; knee ``L+`` over the correct lengths;
+- hard (``frac <= 1 - gamma1``): no penalty;
+- medium (otherwise): knee ``L-`` over all ``G`` lengths; penalise the correct responses if ``n > m``, else the
+  incorrect ones.
+
+Knee ``L = max((min l + max l) / 2, mean l, 1)``; penalty ``R = 0`` if ``l < L``, ``-0.5 (l - L) / L`` if
+``L <= l < 2L``, ``-0.5`` if ``l >= 2L``. The paper adds ``R`` to the reward before advantage estimation.
+
+Choices where the source is silent: the cases are tested in the order easy, hard, medium (they only overlap when
+``gamma1 = 0.5``, where ``frac = 0.5`` is easy); ``frac`` is compared with a 1e-9 tolerance so that e.g. 3 of 4
+counts as ``>= 0.75`` whatever the float rounding of ``gamma1``; every row of a group counts in ``G`` and in the
+knee, including a zero-length response (which, being shorter than ``L >= 1``, is never penalised).
+
+Consequence of the knee definition: the penalised rows always belong to the knee's length set, and ``L >= (min + max)
+/ 2`` there, so the ``-0.5`` plateau (``l >= 2L``) is reached only when that set holds a zero-length response; in
+practice the penalty is the ramp, ``-0.5 * (l - L) / L``, which stays above ``-0.5``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+
+import torch
+
+from gtpo.algorithms.group_ops import segment_sum
+
+__all__ = ["GROPParams", "grop_penalty", "grop_knee_and_target"]
+
+_FRAC_TOL = 1e-9
+
+
+@dataclass(frozen=True)
+class GROPParams:
+    """Knobs of GROP (``algorithm.grop``).
+
+    Attributes:
+        enable: add the GROP penalty to the sequence reward before GTPO / GRPO-S shaping.
+        gamma1: accuracy threshold of an "easy" group (paper 0.75); ``1 - gamma1`` bounds a "hard" group.
+    """
+
+    enable: bool = False
+    gamma1: float = 0.75
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable, bool):
+            raise ValueError(f"enable={self.enable!r}: must be true or false")
+        g = self.gamma1
+        if isinstance(g, bool) or not isinstance(g, Real) or not math.isfinite(float(g)):
+            raise ValueError(f"gamma1={g!r}: must be a finite real number")
+        if not 0.5 <= float(g) <= 1.0:
+            raise ValueError(f"gamma1={g!r}: must lie in [0.5, 1] so that easy and hard groups do not overlap")
+
+
+@torch.no_grad()
+def grop_knee_and_target(
+    lengths: torch.Tensor, correct: torch.Tensor, gid: torch.Tensor, num_groups: int, gamma1: float = 0.75
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-group knee and the rows GROP penalises.
+
+    Args:
+        lengths: ``[B]`` response lengths (valid tokens). correct: ``[B]`` bool.
+        gid: ``[B]`` int64 group ids; num_groups: ``NG``. gamma1: easy threshold.
+
+    Returns:
+        ``(knee [NG] float64, target [B] bool, case [NG] int64)`` with case 0 = hard, 1 = medium, 2 = easy.
+        ``knee`` is 1 for hard groups (unused there).
+    """
+    ell = lengths.detach().to(torch.float64)
+    c = correct.bool()
+    gid = gid.to(torch.long)
+    size = segment_sum(torch.ones_like(ell), gid, num_groups)
+    n = segment_sum(c.to(torch.float64), gid, num_groups)
+    frac = n / size.clamp(min=1)
+    easy = frac >= gamma1 - _FRAC_TOL
+    hard = ~easy & (frac <= 1.0 - gamma1 + _FRAC_TOL)
+    medium = ~easy & ~hard
+    # Rows entering the knee: the correct ones in an easy group, all rows otherwise.
+    in_knee = torch.where(easy[gid], c, torch.ones_like(c))
+    inf = torch.full((num_groups,), math.inf, dtype=torch.float64, device=ell.device)
+    lo = inf.scatter_reduce(0, gid[in_knee], ell[in_knee], reduce="amin", include_self=True)
+    hi = (-inf).scatter_reduce(0, gid[in_knee], ell[in_knee], reduce="amax", include_self=True)
+    cnt = segment_sum(in_knee.to(torch.float64), gid, num_groups)
+    mean = segment_sum(torch.where(in_knee, ell, 0.0), gid, num_groups) / cnt.clamp(min=1)
+    has = cnt > 0
+    mid = torch.where(has, (lo + hi) / 2.0, 1.0)
+    knee = torch.maximum(torch.maximum(mid, torch.where(has, mean, 1.0)), torch.ones_like(mid))
+    knee = torch.where(hard, torch.ones_like(knee), knee)
+    more_correct = n > size - n
+    target_medium = torch.where(more_correct[gid], c, ~c)
+    target = torch.where(easy[gid], c, torch.where(medium[gid], target_medium, torch.zeros_like(c)))
+    case = torch.where(easy, 2, torch.where(medium, 1, 0)).to(torch.long)
+    return knee, target, case
+
+
+@torch.no_grad()
+def grop_penalty(
+    lengths: torch.Tensor, correct: torch.Tensor, gid: torch.Tensor, num_groups: int, gamma1: float = 0.75
+) -> torch.Tensor:
+    """GROP penalty per response (App. D), vectorised over groups.
+
+    Args:
+        lengths: ``[B]`` response lengths (e.g. ``response_mask.sum(-1)``). correct: ``[B]`` bool.
+        gid: ``[B]`` int64 group ids in ``0 .. num_groups - 1`` (any row order, any group sizes).
+        num_groups: ``NG``. gamma1: easy threshold (paper 0.75).
+
+    Returns:
+        ``[B]`` float64 penalty in ``[-0.5, 0]``, to be added to the sequence reward.
+    """
+    b = lengths.shape[0] if isinstance(lengths, torch.Tensor) else None
+    if b is None or lengths.dim() != 1:
+        raise ValueError(f"lengths must be a [batch] tensor, got {getattr(lengths, 'shape', type(lengths).__name__)}")
+    if not isinstance(correct, torch.Tensor) or tuple(correct.shape) != (b,):
+        raise ValueError(f"correct must have shape [{b}], got {getattr(correct, 'shape', type(correct).__name__)}")
+    if not isinstance(gid, torch.Tensor) or tuple(gid.shape) != (b,):
+        raise ValueError(f"gid must have shape [{b}], got {getattr(gid, 'shape', type(gid).__name__)}")
+    if b and (int(gid.min()) < 0 or int(gid.max()) >= num_groups):
+        raise ValueError(f"gid values must lie in [0, {num_groups - 1}], got [{int(gid.min())}, {int(gid.max())}]")
+    if b and (not bool(torch.isfinite(lengths.to(torch.float64)).all()) or float(lengths.min()) < 0):
+        raise ValueError("lengths must be finite and >= 0")
+    knee, target, _ = grop_knee_and_target(lengths, correct, gid, num_groups, float(gamma1))
+    ell = lengths.detach().to(torch.float64)
+    k = knee[gid.to(torch.long)]
+    ramp = -0.5 * (ell - k) / k
+    pen = torch.where(ell <= k, torch.zeros_like(ell), torch.where(ell < 2.0 * k, ramp, torch.full_like(ell, -0.5)))
+    return torch.where(target, pen, torch.zeros_like(pen))

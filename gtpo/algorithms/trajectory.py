@@ -1,0 +1,495 @@
+"""GTPO-trajectory (``gtpo_traj``): conflict-token weights, entropy filter and entropy penalty.
+
+Paper: Simoni, Fontana, Rossolini, Saracino (, Mori), "GTPO: Trajectory-Based Policy Optimization in LLMs" /
+"GTPO: Stabilizing Group Relative Policy Optimization via Gradient and Entropy Control", arXiv 2508.03772
+(TACL 2026). Official code: ``winstonsmith1897/GTPO``. Specification: ALGORITHMS.md §6.
+
+Implemented (one completion ``i`` of a group, verl's right-padded ``[B, L]`` layout):
+
+- Objective (README / paper, §6.1):
+  ``J = E[ 1/G sum_i delta_i (A_i - gamma <H>_i) / |o_i| sum_t r_{i,t} lambda_{i,t} ]``.
+- Conflict tokens (§6.2, the official ``build_conflict_mask`` semantics): among the *active* completions of a group
+  (``P = {A_i > 0}``, ``N = {A_i < 0}``), token ``(i, t)`` is raw-conflicting when the pair (position, token id)
+  occurs in at least one completion of ``P`` and one of ``N`` (``i`` itself counts). Only the leading contiguous
+  run (forward, positions from the start) and the trailing contiguous run (backward, positions counted from the
+  last valid token, i.e. right-aligned) are conflicts. ``lambda = lambda_fwd * lambda_bwd * m`` with ``lambda_pos``
+  (2) on a positive completion's conflict tokens, ``lambda_neg`` (0) on a negative one's, 1 elsewhere; a token in
+  both runs of a positive completion gets ``lambda_pos ** 2`` (4).
+- Entropy filter ``delta_i = 1[<H>_i <= tau]``, optionally gated by the initial model's entropy (paper's 3-case
+  ``delta``: filtering is on only when ``<H>_ini <= tau``), and the entropy penalty ``A'_i = delta_i (A_i - gamma
+  <H>_i)`` (§6.3).
+- The two behaviours of §6.5 through ``GTPOTrajParams.variant`` (``paper`` default, ``code``), which only sets
+  defaults; every knob can be overridden.
+
+Deliberate choices and deviations (all documented in the README's method section):
+
+1. Conflict detection never builds the ``[groups, G, G, L]`` comparison tensor of §6.6. Each valid token of an
+   active completion becomes an int64 key ``((group * W) + position) * V + token``; membership of a key in the
+   positive and in the negative key sets is a sort-based ``torch.isin``. Runs are found block by block over
+   positions with doubling block widths (32, 64, ... capped at ``max_block``), and a block only visits groups that
+   still have a row whose run is alive; memory is linear in the number of tokens and the typical cost is a few
+   dozen positions per row. The backward run is the same scan on a right-aligned copy of the responses.
+2. A position where ``response_mask`` is 0 inside a response (multi-turn tool tokens) ends a run, exactly like a
+   padding token ends it in the official code. Padding is taken from ``response_mask``, never from a pad id (the
+   official code's hard-coded Llama pad id is a defect we do not reproduce).
+3. Polarity comes from the *unshaped* advantage sign (as in the official code). The centred advantage is computed
+   in float64 and a group whose rewards are all equal gets exactly 0 (no rounding-noise polarity); a row whose
+   centred reward is within ``1e-8`` of 0 is inactive.
+4. ``<H>_ini`` (ini gate) is the mean over the first batch's completions of ``<H>_i`` (same scale as the per
+   completion comparison). At ``<H>_ini == tau`` the filter is on. The gate compares ``<H>_ini`` with ``tau``
+   (``ln 2`` under ``variant=paper``), a single threshold for both cases of the paper's ``delta``.
+5. ``agg="code_sum"`` (the official code's sum over the G completions of its one-prompt steps) is realised on top
+   of verl's ``seq-mean-token-mean`` (a mean over all completions of the batch) by multiplying each completion's
+   advantage by its group's size, which turns the batch mean into the mean over groups of per-group sums.
+   ``agg="paper_mean"`` leaves the advantages unchanged (``1/G`` per group, then the mean over prompts).
+6. None of the official code's defects (ALGORITHMS.md §6.5 list) is reproduced: no reference/base model pass, no
+   debug prints, no pad-id heuristic, ordinary autograd through verl's loss (the ratio is verl's, ``exp(0) = 1``
+   on-policy with ``ppo_epochs=1``).
+7. ``skip_zero_adv_groups`` zeroes the whole shaped advantage of a group whose rewards are all equal (the paper's
+   "no update"); with it off (``variant=code``) such a group keeps ``-gamma <H>_i`` (the code's push-down).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import torch
+
+from gtpo.algorithms.group_ops import group_mean_std, segment_sum
+
+__all__ = [
+    "LN2",
+    "GTPOTrajParams",
+    "GTPOTrajOutput",
+    "conflict_weights",
+    "conflict_counts",
+    "masked_mean_entropy",
+    "centred_advantages",
+    "entropy_filter",
+    "gtpo_traj_advantages",
+]
+
+LN2 = math.log(2.0)
+
+_VARIANTS = ("paper", "code")
+_ADV_NORMS = ("std", "none")
+_AGGS = ("paper_mean", "code_sum")
+# Defaults each variant gives to the knobs left at None (ALGORITHMS.md §6.5 table).
+_VARIANT_DEFAULTS = {
+    "paper": {
+        "adv_norm": "std",
+        "use_ini_gate": True,
+        "tau": LN2,
+        "divide_by_nconf": False,
+        "agg": "paper_mean",
+        "skip_zero_adv_groups": True,
+    },
+    "code": {
+        "adv_norm": "none",
+        "use_ini_gate": False,
+        "tau": 0.7,
+        "divide_by_nconf": True,
+        "agg": "code_sum",
+        "skip_zero_adv_groups": False,
+    },
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GTPOTrajParams:
+    """Knobs of ``algorithm.gtpo_traj`` (ALGORITHMS.md §6.5–6.7, §11).
+
+    Fields left at ``None`` take the default of ``variant`` (see ``_VARIANT_DEFAULTS``); an explicit value always
+    wins. After construction every field holds a concrete value.
+    """
+
+    variant: str = "paper"
+    lam_pos: float = 2.0
+    lam_neg: float = 0.0
+    gamma: float = 0.1
+    tau: float | None = None
+    use_ini_gate: bool | None = None
+    h_ini: float | None = None
+    adv_norm: str | None = None
+    divide_by_nconf: bool | None = None
+    agg: str | None = None
+    skip_zero_adv_groups: bool | None = None
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.variant not in _VARIANTS:
+            raise ValueError(f"variant={self.variant!r}: must be one of {list(_VARIANTS)}")
+        for name, value in _VARIANT_DEFAULTS[self.variant].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        for name in ("lam_pos", "lam_neg", "gamma", "tau", "eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name}={value!r}: must be a number")
+            object.__setattr__(self, name, float(value))
+        if not (math.isfinite(self.lam_pos) and self.lam_pos >= 0):
+            raise ValueError(f"lam_pos={self.lam_pos}: must be a finite number >= 0")
+        if not (math.isfinite(self.lam_neg) and self.lam_neg >= 0):
+            raise ValueError(f"lam_neg={self.lam_neg}: must be a finite number >= 0")
+        if not (math.isfinite(self.gamma) and self.gamma >= 0):
+            raise ValueError(f"gamma={self.gamma}: must be a finite number >= 0")
+        if math.isnan(self.tau) or self.tau < 0:
+            raise ValueError(f"tau={self.tau}: must be >= 0 (use .inf to disable the entropy filter)")
+        if not (self.eps > 0 and math.isfinite(self.eps)):
+            raise ValueError(f"eps={self.eps}: must be a finite number > 0")
+        for name in ("use_ini_gate", "divide_by_nconf", "skip_zero_adv_groups"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be true or false")
+        if self.adv_norm not in _ADV_NORMS:
+            raise ValueError(f"adv_norm={self.adv_norm!r}: must be one of {list(_ADV_NORMS)}")
+        if self.agg not in _AGGS:
+            raise ValueError(f"agg={self.agg!r}: must be one of {list(_AGGS)}")
+        if self.h_ini is not None:
+            if isinstance(self.h_ini, bool) or not isinstance(self.h_ini, (int, float)):
+                raise ValueError(f"h_ini={self.h_ini!r}: must be a number or null")
+            if not (math.isfinite(self.h_ini) and self.h_ini >= 0):
+                raise ValueError(f"h_ini={self.h_ini}: must be a finite entropy >= 0 (nats) or null")
+            object.__setattr__(self, "h_ini", float(self.h_ini))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Conflict tokens (§6.2)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_conflict_inputs(responses, response_mask, gid, num_groups, polarity) -> None:
+    if responses.dim() != 2:
+        raise ValueError(f"responses must be [B, L], got shape {tuple(responses.shape)}")
+    if response_mask.shape != responses.shape:
+        raise ValueError(
+            f"response_mask shape {tuple(response_mask.shape)} != responses shape {tuple(responses.shape)}"
+        )
+    if responses.dtype.is_floating_point or responses.dtype == torch.bool:
+        raise ValueError(f"responses must hold integer token ids, got dtype {responses.dtype}")
+    b = responses.shape[0]
+    if gid.shape != (b,) or polarity.shape != (b,):
+        raise ValueError(f"gid {tuple(gid.shape)} and polarity {tuple(polarity.shape)} must both be [B]=[{b}]")
+    if b and (int(gid.min()) < 0 or int(gid.max()) >= num_groups):
+        raise ValueError(f"gid values must lie in [0, {num_groups}), got [{int(gid.min())}, {int(gid.max())}]")
+    bad = ~((polarity == 1) | (polarity == -1) | (polarity == 0))
+    if bool(bad.any()):
+        raise ValueError(f"polarity must be +1, -1 or 0, got {polarity[bad][:5].tolist()}")
+
+
+def _leading_runs(
+    tok: torch.Tensor,
+    valid: torch.Tensor,
+    gid: torch.Tensor,
+    pol: torch.Tensor,
+    last: torch.Tensor | None,
+    first_block: int,
+    max_block: int,
+) -> torch.Tensor:
+    """Leading runs of raw-conflicting tokens along one direction.
+
+    Args:
+        tok: ``[R, L]`` int64 token ids (any value where ``valid`` is False).
+        valid: ``[R, L]`` bool.
+        gid: ``[R]`` int64 group ids (rows only meet rows of the same id).
+        pol: ``[R]`` int8 polarity (+1, -1, 0).
+        last: None for the forward run (aligned position ``d`` = column ``d``); for the backward run, ``[R]`` index
+            of each row's last valid token (aligned position ``d`` = column ``last - d``; -1 for an empty row).
+        first_block, max_block: block widths over aligned positions (doubling from ``first_block`` up to
+            ``max_block``).
+
+    Returns:
+        ``[R, L]`` bool in column layout: True where the token lies in the row's run (active rows only). Only the
+        blocks that some run reaches are ever read, so the cost is proportional to the run lengths.
+    """
+    num_rows, length = tok.shape
+    device = tok.device
+    run = torch.zeros_like(valid)
+    pos_row = pol > 0
+    neg_row = pol < 0
+    active = pos_row | neg_row
+    # A group can only have conflicts if it holds both polarities.
+    num_ids = int(gid.max()) + 1 if num_rows else 0
+    has_pos = torch.zeros(num_ids, dtype=torch.bool, device=device)
+    has_neg = torch.zeros_like(has_pos)
+    has_pos[gid[pos_row]] = True
+    has_neg[gid[neg_row]] = True
+    alive = active & has_pos[gid] & has_neg[gid]
+    start, width = 0, first_block
+    while start < length and bool(alive.any()):
+        end = min(length, start + width)
+        w = end - start
+        group_alive = torch.zeros(num_ids, dtype=torch.bool, device=device)
+        group_alive[gid[alive]] = True
+        rows = torch.nonzero(group_alive[gid] & active, as_tuple=True)[0]
+        d = torch.arange(start, end, device=device)
+        if last is None:
+            cols = d[None, :].expand(len(rows), w)
+            inside = torch.ones(len(rows), w, dtype=torch.bool, device=device)
+        else:
+            cols = last[rows, None] - d[None, :]
+            inside = cols >= 0
+            cols = cols.clamp(min=0)
+        sub_valid = valid[rows[:, None], cols] & inside
+        sub_tok = torch.where(sub_valid, tok[rows[:, None], cols], 0)
+        if bool(sub_valid.any()):
+            lo, hi = int(sub_tok[sub_valid].min()), int(sub_tok.max())
+            if lo < 0:
+                raise ValueError(f"responses hold a negative token id {lo} on a valid position")
+        else:
+            hi = 0
+        vocab = hi + 1
+        if num_ids * w * vocab >= 2**62:
+            raise ValueError(f"key space num_groups*block*vocab={num_ids}*{w}*{vocab} overflows int64")
+        keys = (gid[rows, None] * w + (d - start)[None, :]) * vocab + sub_tok
+        pos_keys = keys[sub_valid & pos_row[rows, None]]
+        neg_keys = keys[sub_valid & neg_row[rows, None]]
+        raw = sub_valid & torch.isin(keys, pos_keys) & torch.isin(keys, neg_keys)
+        seg = torch.cumprod(raw.to(torch.uint8), dim=1).bool() & alive[rows, None]
+        # Write back in column layout (inside the row, so no two aligned positions share a column).
+        r_idx = rows[:, None].expand(len(rows), w)
+        run[r_idx[seg], cols[seg]] = True
+        alive[rows] = seg[:, -1]
+        start, width = end, min(2 * width, max_block)
+    return run
+
+
+@torch.no_grad()
+def conflict_weights(
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    gid: torch.Tensor,
+    num_groups: int,
+    polarity: torch.Tensor,
+    lam_pos: float = 2.0,
+    lam_neg: float = 0.0,
+    *,
+    first_block: int = 32,
+    max_block: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conflict-token weights of GTPO-trajectory (ALGORITHMS.md §6.2; official ``build_conflict_mask``).
+
+    Args:
+        responses: ``[B, L]`` int64 token ids, right-padded (values under the mask's zeros are ignored).
+        response_mask: ``[B, L]`` 0/1 (bool, int or float); 1 on valid tokens, including EOS.
+        gid: ``[B]`` int64 group ids in ``0 .. num_groups - 1``; rows may come in any order, groups in any size.
+        num_groups: ``NG``.
+        polarity: ``[B]`` int8: +1 positive completion (``A_i > 0``), -1 negative (``A_i < 0``), 0 inactive.
+        lam_pos: weight of a positive completion's conflict token (paper: 2).
+        lam_neg: weight of a negative completion's conflict token (paper: 0).
+        first_block, max_block: block widths of the position scan (performance only; results do not depend on
+            them).
+
+    Returns:
+        ``(lam, is_conflict)``: ``lam`` ``[B, L]`` float32 = ``lambda_fwd * lambda_bwd * m`` (1 on the valid tokens
+        of inactive rows and of non-conflict tokens, 0 on padding); ``is_conflict`` ``[B, L]`` bool, True on tokens
+        of the leading (forward) or trailing (backward, right-aligned) run. A group without a positive or without
+        a negative completion has no conflicts.
+    """
+    _check_conflict_inputs(responses, response_mask, gid, num_groups, polarity)
+    if first_block < 1 or max_block < first_block:
+        raise ValueError(f"first_block={first_block}, max_block={max_block}: need 1 <= first_block <= max_block")
+    device = responses.device
+    valid = response_mask.to(device=device).bool()
+    b, length = responses.shape
+    if length == 0 or b == 0:
+        return torch.zeros(responses.shape, dtype=torch.float32, device=device), torch.zeros_like(valid)
+    pol = polarity.to(device=device, dtype=torch.int8)
+    gid = gid.to(device=device, dtype=torch.long)
+    # Index of each row's last valid token (-1 for an empty row); the backward run is right-aligned on it.
+    last = (length - 1) - valid.flip(1).to(torch.uint8).argmax(dim=1)
+    last = torch.where(valid.any(dim=1), last, torch.full_like(last, -1))
+
+    fwd = _leading_runs(responses, valid, gid, pol, None, first_block, max_block)
+    bwd = _leading_runs(responses, valid, gid, pol, last, first_block, max_block)
+
+    lam_c = torch.where(pol > 0, torch.tensor(lam_pos), torch.tensor(lam_neg)).to(torch.float32)[:, None]
+    one = torch.ones((), dtype=torch.float32, device=device)
+    lam = torch.where(fwd, lam_c, one) * torch.where(bwd, lam_c, one) * valid.to(torch.float32)
+    return lam, fwd | bwd
+
+
+@torch.no_grad()
+def conflict_counts(is_conflict: torch.Tensor, polarity: torch.Tensor) -> torch.Tensor:
+    """``n_conf`` per row (§6.2 step 4): number of conflict tokens, clamped to >= 1; inactive rows give 1.
+
+    Args:
+        is_conflict: ``[B, L]`` bool from :func:`conflict_weights`.
+        polarity: ``[B]`` int8.
+
+    Returns:
+        ``[B]`` int64 divisor (the official code stores 0 for inactive rows and treats it as 1; the divisor is the
+        same).
+    """
+    count = is_conflict.sum(dim=-1)
+    return torch.where(polarity != 0, count.clamp(min=1), torch.ones_like(count))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entropy filter, penalty and advantages (§6.3, §6.5, §6.6)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def masked_mean_entropy(entropy: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``<H>_i``: mean token entropy over the valid tokens of each row; ``[B, L] -> [B]`` float32 (0 if empty)."""
+    m = response_mask.to(torch.float64)
+    total = (entropy.to(torch.float64) * m).sum(-1)
+    return (total / m.sum(-1).clamp(min=1)).to(torch.float32)
+
+
+@torch.no_grad()
+def centred_advantages(
+    scores: torch.Tensor, gid: torch.Tensor, num_groups: int, adv_norm: str, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-relative advantage ``A_i`` and the polarity of each completion.
+
+    Args:
+        scores: ``[B]`` sequence rewards.
+        gid: ``[B]`` int64 group ids; num_groups: ``NG``.
+        adv_norm: ``"none"``: ``A = r - mean_g(r)`` (official code); ``"std"``: ``(r - mean_g(r)) / (std_g(r) + eps)``
+            with the unbiased std (verl's GRPO convention; a group of one row has std 0).
+        eps: std epsilon.
+
+    Returns:
+        ``(A [B] float32, polarity [B] int8, zero_var [B] bool)``: ``zero_var`` marks rows of groups whose rewards are
+        all equal; those rows have ``A = 0`` exactly and polarity 0.
+    """
+    if adv_norm not in _ADV_NORMS:
+        raise ValueError(f"adv_norm={adv_norm!r}: must be one of {list(_ADV_NORMS)}")
+    r = scores.to(torch.float64)
+    mean, std, _ = group_mean_std(r, gid, num_groups, unbiased=True)
+    gmax = torch.full((num_groups,), -math.inf, dtype=torch.float64).scatter_reduce(0, gid, r, "amax")
+    gmin = torch.full((num_groups,), math.inf, dtype=torch.float64).scatter_reduce(0, gid, r, "amin")
+    zero_var = (gmax == gmin)[gid]
+    centred = torch.where(zero_var, torch.zeros_like(r), r - mean[gid])
+    centred = torch.where(centred.abs() <= 1e-8, torch.zeros_like(r), centred)
+    polarity = torch.sign(centred).to(torch.int8)
+    adv = centred / (std[gid] + eps) if adv_norm == "std" else centred
+    return adv.to(torch.float32), polarity, zero_var
+
+
+@torch.no_grad()
+def entropy_filter(mean_entropy: torch.Tensor, tau: float, use_ini_gate: bool, h_ini: float | None) -> torch.Tensor:
+    """``delta_i`` (§6.1 / §6.3): 1 keeps completion ``i``, 0 drops it.
+
+    Args:
+        mean_entropy: ``[B]`` ``<H>_i``.
+        tau: threshold (kept when ``<H>_i <= tau``; ``inf`` disables the filter).
+        use_ini_gate: the paper's 3-case ``delta``: filter only when ``<H>_ini <= tau``, else keep every completion.
+        h_ini: ``<H>_ini`` (required when ``use_ini_gate``).
+
+    Returns:
+        ``[B]`` float32 in {0, 1}.
+    """
+    if use_ini_gate:
+        if h_ini is None:
+            raise ValueError("h_ini=None: the ini gate needs the initial model's mean entropy")
+        if h_ini > tau:
+            return torch.ones_like(mean_entropy, dtype=torch.float32)
+    return (mean_entropy <= tau).to(torch.float32)
+
+
+class GTPOTrajOutput(NamedTuple):
+    """Result of :func:`gtpo_traj_advantages` (all tensors detached)."""
+
+    advantages: torch.Tensor  # [B, L] float32, zero on padding
+    adv_seq: torch.Tensor  # [B] float32, A_i (unshaped, after adv_norm)
+    shaped_seq: torch.Tensor  # [B] float32, A'_i = delta_i (A_i - gamma <H>_i), after group skipping and agg scale
+    mean_entropy: torch.Tensor  # [B] float32, <H>_i
+    delta: torch.Tensor  # [B] float32 in {0, 1}
+    polarity: torch.Tensor  # [B] int8
+    lam: torch.Tensor  # [B, L] float32
+    is_conflict: torch.Tensor  # [B, L] bool
+    n_conf: torch.Tensor  # [B] int64 divisor (>= 1)
+    metrics: dict
+
+
+@torch.no_grad()
+def gtpo_traj_advantages(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    responses: torch.Tensor,
+    entropy: torch.Tensor,
+    gid: torch.Tensor,
+    num_groups: int,
+    params: GTPOTrajParams,
+    h_ini: float | None = None,
+) -> GTPOTrajOutput:
+    """Token-level GTPO-trajectory advantages (ALGORITHMS.md §6.6), to be aggregated with ``seq-mean-token-mean``.
+
+    ``adv[i, t] = c_g * delta_i * (A_i - gamma <H>_i) * lambda_{i,t} / n_conf_i^{[divide_by_nconf]}``, where
+    ``c_g`` is the group size under ``agg="code_sum"`` and 1 under ``"paper_mean"``; groups whose rewards are all
+    equal get 0 when ``skip_zero_adv_groups``.
+
+    Args:
+        scores: ``[B]`` sequence rewards.
+        response_mask: ``[B, L]`` 0/1.
+        responses: ``[B, L]`` int64 token ids.
+        entropy: ``[B, L]`` per-token entropy (detached; old or current policy).
+        gid: ``[B]`` int64 group ids; num_groups: ``NG``.
+        params: resolved :class:`GTPOTrajParams`.
+        h_ini: ``<H>_ini`` used by the ini gate (overrides ``params.h_ini``; required when the gate is on).
+
+    Returns:
+        :class:`GTPOTrajOutput`; ``metrics`` holds python floats keyed ``gtpo_traj/...``.
+    """
+    if entropy.shape != response_mask.shape:
+        raise ValueError(f"entropy shape {tuple(entropy.shape)} != response_mask shape {tuple(response_mask.shape)}")
+    if scores.shape != (response_mask.shape[0],):
+        raise ValueError(f"scores must be [B]={response_mask.shape[0]}, got {tuple(scores.shape)}")
+    mask_f = response_mask.to(torch.float32)
+    if h_ini is None:
+        h_ini = params.h_ini
+
+    adv, polarity, zero_var = centred_advantages(scores, gid, num_groups, params.adv_norm, params.eps)
+    lam, is_conflict = conflict_weights(
+        responses, response_mask, gid, num_groups, polarity, params.lam_pos, params.lam_neg
+    )
+    n_conf = conflict_counts(is_conflict, polarity)
+    h_bar = masked_mean_entropy(entropy, response_mask)
+    delta = entropy_filter(h_bar, params.tau, params.use_ini_gate, h_ini)
+
+    shaped = delta * (adv - params.gamma * h_bar)
+    if params.skip_zero_adv_groups:
+        shaped = torch.where(zero_var, torch.zeros_like(shaped), shaped)
+    if params.agg == "code_sum":
+        group_size = segment_sum(torch.ones_like(shaped), gid, num_groups)
+        shaped = shaped * group_size[gid]
+    token_adv = shaped[:, None] * lam
+    if params.divide_by_nconf:
+        token_adv = token_adv / n_conf[:, None].to(torch.float32)
+    token_adv = token_adv * mask_f
+
+    valid_rows = mask_f.sum(-1) > 0
+    n_rows = max(int(valid_rows.sum()), 1)
+    n_tok = max(float(mask_f.sum()), 1.0)
+    active = polarity != 0
+    metrics = {
+        "gtpo_traj/conflict_token_frac": float((is_conflict & response_mask.bool()).sum()) / n_tok,
+        "gtpo_traj/pos_conflict_token_frac": float((is_conflict & (polarity > 0)[:, None]).sum()) / n_tok,
+        "gtpo_traj/neg_conflict_token_frac": float((is_conflict & (polarity < 0)[:, None]).sum()) / n_tok,
+        "gtpo_traj/conflict_traj_frac": float((is_conflict.any(-1) & valid_rows).sum()) / n_rows,
+        "gtpo_traj/filtered_traj_frac": float(((delta == 0) & valid_rows).sum()) / n_rows,
+        "gtpo_traj/active_traj_frac": float((active & valid_rows).sum()) / n_rows,
+        "gtpo_traj/zero_var_traj_frac": float((zero_var & valid_rows).sum()) / n_rows,
+        "gtpo_traj/mean_entropy": float(h_bar[valid_rows].mean()) if bool(valid_rows.any()) else 0.0,
+        "gtpo_traj/shaped_adv_mean": float(shaped[valid_rows].mean()) if bool(valid_rows.any()) else 0.0,
+        "gtpo_traj/adv_abs_mean": float((token_adv.abs() * mask_f).sum()) / n_tok,
+        "gtpo_traj/filter_on": float(not (params.use_ini_gate and h_ini is not None and h_ini > params.tau)),
+    }
+    if h_ini is not None:
+        metrics["gtpo_traj/h_ini"] = float(h_ini)
+    return GTPOTrajOutput(
+        advantages=token_adv,
+        adv_seq=adv,
+        shaped_seq=shaped,
+        mean_entropy=h_bar,
+        delta=delta,
+        polarity=polarity,
+        lam=lam,
+        is_conflict=is_conflict,
+        n_conf=n_conf,
+        metrics=metrics,
+    )

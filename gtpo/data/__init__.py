@@ -1,0 +1,1 @@
+"""Data preparation: math problems -> verl RL parquet (``python -m gtpo.data.prepare``; see ``gtpo.data.prepare``)."""

@@ -1,0 +1,26 @@
+"""Register the recipe's estimators, policy losses and trainer mode into verl's registries.
+
+verl imports this module in every process that imports verl, through either hook:
+
+* ``VERL_USE_EXTERNAL_MODULES=gtpo.verl_plugin.register`` (the recipe's entry point also puts it into the Ray
+  runtime env, so it reaches the TaskRunner and the actor workers on every node);
+* the ``verl.plugins`` entry point ``gtpo`` declared in ``pyproject.toml`` (verl loads it on ``import verl``
+  unless ``VERL_USE_EXTERNAL_PLUGINS=none``; its load errors are logged by verl only at DEBUG, so this module
+  raises loudly on the first hook instead).
+
+What gets registered:
+
+* advantage estimators ``gtpo``, ``grpo_s`` (arXiv 2508.04349) and ``gtpo_traj`` (arXiv 2508.03772);
+* policy losses ``grpo_s`` (sequence-level clipped ratio) and the forking-token loss;
+* trainer mode ``gtpo_sync`` (``trainer.v1.trainer_mode``), which hands entropy and token ids to the estimators.
+
+Importing twice is harmless: Python caches the modules, and verl's ``register_adv_est`` only rejects a *different*
+function under a taken name.
+"""
+
+from __future__ import annotations
+
+from gtpo.verl_plugin import entropy_shaping, forking, trainer, trajectory  # noqa: F401  (imports register)
+
+ESTIMATORS = ("gtpo", "grpo_s", "gtpo_traj")
+TRAINER_MODE = trainer.TRAINER_MODE

@@ -1,0 +1,200 @@
+"""``gtpo_sync``: verl's v1 ``PPOTrainerSync`` with entropy and token ids handed to the recipe's estimators.
+
+verl 0.9.1 computes the old policy's per-token entropy in the old-log-prob pass and stores it in TransferQueue,
+but ``PPOTrainer._compute_advantage`` fetches neither it nor the response token ids, and passes an estimator only
+``token_level_rewards, response_mask, index, config``. This subclass overrides that one method. For the recipe's
+estimators (``gtpo``, ``grpo_s``, ``gtpo_traj``) it:
+
+1. fetches the base method's fields plus ``entropy`` and ``responses`` (no extra forward pass);
+2. keeps the base class's steps: KL-in-reward (``algorithm.use_kl_in_reward``) and rollout correction
+   (IS weights / rejection sampling in decoupled mode);
+3. calls the registered estimator with ``entropy=``, ``responses=`` and ``metrics=`` keyword arguments, on the real
+   rows only (verl's synthetic padding rows, tagged ``is_padding``, get zero advantage and stay out of the
+   statistics);
+4. writes advantages and returns back, as the base method does.
+
+Every other estimator (``grpo``, ``gae``, ...) goes through the base method unchanged, so baselines run the
+exact verl code path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+import transfer_queue as tq
+from tensordict import TensorDict
+from transfer_queue import KVBatchMeta
+from verl.protocol import DataProto
+from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+from verl.trainer.ppo.ray_trainer import apply_kl_penalty
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.utils.debug import marked_timer
+from verl.workers.utils.padding import response_to_nested
+
+from gtpo.verl_plugin import forking
+from gtpo.verl_plugin.dynamic_sampling import bound_generation_rounds
+
+logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+
+TRAINER_MODE = "gtpo_sync"
+
+# Estimators registered by this recipe that take the extra keyword arguments.
+RECIPE_ESTIMATORS = frozenset({"gtpo", "grpo_s", "gtpo_traj"})
+
+
+@register_trainer(TRAINER_MODE)
+class GTPOTrainerSync(PPOTrainerSync):
+    """v1 sync trainer whose advantage step feeds old-policy entropy and token ids to the recipe's estimators.
+
+    Also: DAPO's ``max_num_gen_batches`` round limit (verl 0.9.1 ignores it), the forking-token loss in the actor
+    workers (``algorithm.forking.enable``), per-token dumps for ``python -m gtpo.viz tokens``, and unbiased pass@k
+    in validation.
+    """
+
+    # verl's base class branches on ``self.trainer_mode == "sync"`` (replay buffer class, dataloader refill,
+    # checkpoint load/save) and would treat any other registry name as an async trainer. This class is registered
+    # as ``gtpo_sync`` but *is* the sync trainer, so it always reports "sync".
+    @property
+    def trainer_mode(self) -> str:
+        return "sync"
+
+    @trainer_mode.setter
+    def trainer_mode(self, value: str) -> None:
+        if value != TRAINER_MODE:
+            raise ValueError(f"trainer.v1.trainer_mode={value!r} selects another trainer than {TRAINER_MODE}")
+
+    def _build_replay_buffer(self):
+        return bound_generation_rounds(super()._build_replay_buffer(), self.config.algorithm)
+
+    def on_init_end(self):
+        super().on_init_end()
+        # Installs the forking-token loss in every actor worker; None unless algorithm.forking.enable.
+        self._forking = forking.install(self)
+
+    def _update_actor(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
+        params = getattr(self, "_forking", None)
+        if params is not None and params.scope == "batch":
+            # Whole-batch quantile of the old-policy entropy, handed to the workers' loss through extra_info.
+            data = tq.kv_batch_get(
+                keys=batch.keys, partition_id=batch.partition_id, select_fields=["entropy", "response_mask"]
+            )
+            info = forking.batch_threshold_extra_info(
+                data["entropy"].to_padded_tensor(0.0), data["response_mask"].to_padded_tensor(0), params.rho
+            )
+            batch.extra_info.update(info)
+            metrics["forking/batch_entropy_threshold"] = info[forking.THRESHOLD_KEY]
+            metrics["forking/batch_selected_frac"] = info[forking.FRACTION_KEY]
+        return super()._update_actor(batch, metrics)
+
+    def _log_rollout_data(self, batch: KVBatchMeta, timing_raw: dict, rollout_data_dir: str):
+        """verl's text dump ``<step>.jsonl``, plus ``tokens_<step>.jsonl`` with per-token advantages and entropy.
+
+        Read by ``python -m gtpo.viz tokens``; a few groups per step, so it costs milliseconds.
+        """
+        from gtpo.viz.tokens import records_from_batch, write_token_dump
+
+        super()._log_rollout_data(batch, timing_raw, rollout_data_dir)
+        with marked_timer("dump_token_records", timing_raw, color="green"):
+            keys = [k for k, tag in zip(batch.keys, batch.tags) if not tag.get("is_padding", False)]
+            fields = ["uid", "prompts", "responses", "rm_scores", "advantages", "extra_fields"]
+            rollout_corr = self.config.algorithm.get("rollout_correction", None)
+            if not (rollout_corr and rollout_corr.get("bypass_mode", False)):
+                fields.append("entropy")  # bypass mode computes no old-policy entropy
+            data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=fields)
+            records = records_from_batch(
+                data, tokenizer=self.tokenizer, step=self.global_steps, keys=keys, max_groups=8
+            )
+            write_token_dump(records, os.path.join(rollout_data_dir, f"tokens_{self.global_steps}.jsonl"))
+
+    def _val_metrics_update(
+        self, data_sources, sample_uids, reward_extra_infos_dict, sample_turns, expected_acc_counts=None
+    ) -> dict[str, float]:
+        """verl's validation metrics plus unbiased pass@k (Chen et al. 2021) beside its bootstrap ``best@k``."""
+        from gtpo.eval.metrics import validation_pass_at_k
+
+        metrics = super()._val_metrics_update(
+            data_sources, sample_uids, reward_extra_infos_dict, sample_turns, expected_acc_counts=expected_acc_counts
+        )
+        accs = reward_extra_infos_dict["acc"] if "acc" in reward_extra_infos_dict else reward_extra_infos_dict["reward"]
+        # Failed sessions count as incorrect, as in verl's own acc.
+        metrics.update(validation_pass_at_k(data_sources, sample_uids, accs, expected_counts=expected_acc_counts))
+        return metrics
+
+    def _compute_advantage(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
+        algorithm = self.config.algorithm
+        if str(algorithm.adv_estimator) not in RECIPE_ESTIMATORS:
+            return super()._compute_advantage(batch, metrics)
+
+        fields = ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "ref_log_prob", "values"]
+        fields += ["entropy", "responses"]
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        nested_response_mask = data["response_mask"]
+        data = DataProto(batch=data.to_padded_tensor())
+        data.batch["token_level_scores"] = data.batch["rm_scores"]
+        data.non_tensor_batch["uid"] = np.array(data.batch.pop("uid").tolist(), dtype=object)
+
+        # (1) KL in reward, exactly as the base class.
+        if algorithm.use_kl_in_reward:
+            data, kl_metrics = apply_kl_penalty(data, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=algorithm.kl_penalty)
+            metrics.update(kl_metrics)
+        else:
+            data.batch["token_level_rewards"] = data.batch["token_level_scores"]
+
+        # (2) Rollout correction, exactly as the base class (decoupled mode only).
+        rollout_corr_config = algorithm.get("rollout_correction", None)
+        bypass = bool(rollout_corr_config and rollout_corr_config.get("bypass_mode", False))
+        rollout_correction = rollout_corr_config is not None and "rollout_log_probs" in data.batch and not bypass
+        if rollout_correction:
+            data, is_metrics = compute_rollout_correction_and_add_to_batch(data, rollout_corr_config)
+            metrics.update(is_metrics)
+
+        # (3) The estimator, on the real rows only.
+        data.batch["advantages"], data.batch["returns"] = self._recipe_advantages(data, batch, metrics)
+
+        # (4) Write back, as the base class.
+        out_fields = ["advantages", "returns"]
+        if algorithm.use_kl_in_reward:
+            out_fields.append("token_level_rewards")
+        if rollout_correction:
+            out_fields.append("response_mask")
+            if "rollout_is_weights" in data.batch:
+                out_fields.append("rollout_is_weights")
+        output = {f: response_to_nested(data.batch[f], nested_response_mask) for f in out_fields}
+        return tq.kv_batch_put(
+            keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(output, batch_size=len(batch))
+        )
+
+    def _recipe_advantages(
+        self, data: DataProto, batch: KVBatchMeta, metrics: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the registered estimator on the real rows; verl's synthetic padding rows get zeros."""
+        algorithm = self.config.algorithm
+        token_level_rewards = data.batch["token_level_rewards"]
+        real = torch.as_tensor([not tag.get("is_padding", False) for tag in batch.tags], dtype=torch.bool)
+        rows = real.nonzero(as_tuple=True)[0]
+
+        def real_rows(name: str) -> torch.Tensor | None:
+            return data.batch[name][rows] if name in data.batch.keys() else None
+
+        estimator = get_adv_estimator_fn(str(algorithm.adv_estimator))
+        adv_real, ret_real = estimator(
+            token_level_rewards=token_level_rewards[rows],
+            response_mask=data.batch["response_mask"][rows],
+            index=data.non_tensor_batch["uid"][rows.numpy()],
+            config=algorithm,
+            entropy=real_rows("entropy"),
+            responses=real_rows("responses"),
+            metrics=metrics,
+            global_steps=self.global_steps,
+        )
+        advantages = torch.zeros(token_level_rewards.shape, dtype=adv_real.dtype)
+        returns = torch.zeros(token_level_rewards.shape, dtype=ret_real.dtype)
+        advantages[rows] = adv_real
+        returns[rows] = ret_real
+        return advantages, returns

@@ -1,0 +1,89 @@
+"""Config-time checks of the recipe's settings, run by the entry point before Ray starts or a GPU is touched.
+
+Each check raises ``ValueError`` naming the key and the bad value.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from omegaconf import DictConfig
+
+# algorithm.<block> -> (module, params dataclass). Every block is parsed even when its estimator is not selected,
+# so a typo in any knob fails at startup instead of being silently ignored.
+KNOB_BLOCKS: dict[str, tuple[str, str]] = {
+    "gtpo": ("gtpo.algorithms.entropy_shaping", "GTPOParams"),
+    "grpo_s": ("gtpo.algorithms.entropy_shaping", "GRPOSParams"),
+    "grop": ("gtpo.algorithms.length_penalty", "GROPParams"),
+    "gtpo_traj": ("gtpo.algorithms.trajectory", "GTPOTrajParams"),
+    "forking": ("gtpo.verl_plugin.forking", "ForkingParams"),
+}
+
+# Estimators that read the old-policy entropy handed over by the gtpo_sync trainer.
+ENTROPY_ESTIMATORS = frozenset({"gtpo", "grpo_s", "gtpo_traj"})
+# GROP (paper A, App. D) is applied inside these estimators, to the sequence reward before shaping.
+GROP_COMPATIBLE = frozenset({"gtpo", "grpo_s"})
+
+
+def load_all_knobs(algorithm: DictConfig) -> dict[str, object]:
+    """Parse every declared knob block of ``algorithm`` into its params dataclass (errors name the key)."""
+    from gtpo.verl_plugin.config import load_knobs
+
+    parsed = {}
+    for block, (module_name, class_name) in KNOB_BLOCKS.items():
+        cls = getattr(importlib.import_module(module_name), class_name)
+        parsed[block] = load_knobs(cls, algorithm.get(block, None), f"algorithm.{block}")
+    return parsed
+
+
+def validate_recipe_config(config: DictConfig) -> None:
+    """Validate the recipe-specific parts of a composed trainer config."""
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
+
+    from gtpo.verl_plugin.trainer import TRAINER_MODE
+
+    algorithm = config.algorithm
+    estimator = str(algorithm.adv_estimator)
+    try:
+        get_adv_estimator_fn(estimator)
+    except ValueError as err:
+        raise ValueError(f"algorithm.adv_estimator={estimator!r} is not registered: {err}") from None
+    loss_mode = config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla")
+    try:
+        get_policy_loss_fn(loss_mode)
+    except ValueError as err:
+        raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r}: {err}") from None
+
+    knobs = load_all_knobs(algorithm)
+    trainer_mode = config.trainer.get("v1", {}).get("trainer_mode", "sync")
+    grop_on = bool(knobs["grop"].enable)
+    if estimator in ENTROPY_ESTIMATORS and trainer_mode != TRAINER_MODE:
+        raise ValueError(
+            f"trainer.v1.trainer_mode={trainer_mode!r}: algorithm.adv_estimator={estimator!r} needs "
+            f"trainer.v1.trainer_mode={TRAINER_MODE} (the trainer that hands it the old-policy entropy)"
+        )
+    if not config.trainer.get("use_v1", True):
+        raise ValueError("trainer.use_v1=False: the gtpo recipe runs on verl's v1 trainer only")
+    if grop_on and estimator not in GROP_COMPATIBLE:
+        raise ValueError(
+            f"algorithm.grop.enable=true with algorithm.adv_estimator={estimator!r}: GROP is applied by the "
+            f"{sorted(GROP_COMPATIBLE)} estimators and would be silently ignored"
+        )
+    forking = knobs["forking"]
+    if forking.enable and trainer_mode != TRAINER_MODE:
+        raise ValueError(
+            f"algorithm.forking.enable=true with trainer.v1.trainer_mode={trainer_mode!r}: the forking-token loss "
+            f"is installed by trainer.v1.trainer_mode={TRAINER_MODE}"
+        )
+    actor = config.actor_rollout_ref.actor
+    if forking.enable and forking.scope == "micro_batch" and not actor.get("calculate_entropy", False):
+        raise ValueError(
+            "algorithm.forking.scope=micro_batch with actor_rollout_ref.actor.calculate_entropy=false: the "
+            "training policy's entropy selects the tokens, so the actor must compute it"
+        )
+    rollout_corr = algorithm.get("rollout_correction", None)
+    if estimator in ENTROPY_ESTIMATORS and rollout_corr is not None and rollout_corr.get("bypass_mode", False):
+        raise ValueError(
+            f"algorithm.rollout_correction.bypass_mode=true with algorithm.adv_estimator={estimator!r}: bypass mode "
+            "skips the old-log-prob pass, which is where verl computes the per-token entropy this estimator needs"
+        )

@@ -1,0 +1,88 @@
+"""Entry point of the gtpo recipe: verl 0.9.1's v1 PPO trainer with the recipe's plugin in every Ray process.
+
+    python -m recipe.gtpo.main_gtpo method=gtpo model=qwen2.5_7b data.train_files=... [overrides]
+    DRY_RUN=1 python -m recipe.gtpo.main_gtpo ...   # resolve + validate + print, no Ray, no GPU
+
+Compared with ``verl.trainer.main_ppo`` this entry point (1) validates the recipe's knob blocks before anything
+is allocated, (2) puts ``gtpo.verl_plugin.register`` into ``VERL_USE_EXTERNAL_MODULES`` of the Ray runtime env, so
+multi-node workers that do not inherit the driver's shell still register the estimators, losses and trainer
+mode, and (3) runs a TaskRunner that imports the plugin itself before building the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import hydra
+import ray
+from omegaconf import DictConfig, open_dict
+from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+from verl.trainer.ppo.utils import need_critic, need_reference_policy
+from verl.utils.config import validate_config
+from verl.utils.device import auto_set_device
+
+PLUGIN_MODULE = "gtpo.verl_plugin.register"
+
+
+def merge_module_list(*values: str | None) -> str:
+    """Comma-joined union of module lists, order kept, duplicates and blanks dropped."""
+    seen: list[str] = []
+    for value in values:
+        for name in (value or "").split(","):
+            name = name.strip()
+            if name and name not in seen:
+                seen.append(name)
+    return ",".join(seen)
+
+
+def add_plugin_to_runtime_env(config: DictConfig) -> None:
+    """Make ``VERL_USE_EXTERNAL_MODULES`` in the Ray runtime env (and this process) include the plugin.
+
+    Keeps whatever modules the user or the runtime env already lists (e.g. the CPU backend's).
+    """
+    with open_dict(config):
+        ray_init = config.ray_kwargs.setdefault("ray_init", {})
+        runtime_env = ray_init.setdefault("runtime_env", {})
+        env_vars = runtime_env.setdefault("env_vars", {})
+        modules = merge_module_list(
+            env_vars.get("VERL_USE_EXTERNAL_MODULES"), os.environ.get("VERL_USE_EXTERNAL_MODULES"), PLUGIN_MODULE
+        )
+        env_vars["VERL_USE_EXTERNAL_MODULES"] = modules
+    os.environ["VERL_USE_EXTERNAL_MODULES"] = modules
+
+
+class GTPOTaskRunner(TaskRunnerV1.__ray_actor_class__):
+    """verl's v1 TaskRunner, importing the plugin first so ``gtpo_sync`` and the estimators exist in this actor."""
+
+    def run(self, config: DictConfig):
+        import gtpo.verl_plugin.register  # noqa: F401
+
+        return super().run(config)
+
+
+def prepare_config(config: DictConfig) -> None:
+    """Everything that must pass before Ray starts: recipe knobs, verl's own validation, the plugin env."""
+    from gtpo.verl_plugin.validation import validate_recipe_config
+
+    auto_set_device(config)
+    validate_recipe_config(config)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    add_plugin_to_runtime_env(config)
+
+
+@hydra.main(config_path="config", config_name="gtpo_trainer", version_base=None)
+def main(config: DictConfig) -> None:
+    import gtpo.verl_plugin.register  # noqa: F401  (registers in the driver too: validation looks names up)
+
+    if os.environ.get("DRY_RUN", "0").lower() in ("1", "true", "yes"):
+        from gtpo.verl_plugin.dry_run import run_dry
+
+        prepare_config(config)
+        run_dry(config)
+        return
+    prepare_config(config)
+    run_ppo(config, task_runner_class=ray.remote(GTPOTaskRunner))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# DAPO: clip-higher, dynamic sampling, token-level loss, soft overlong punishment, no KL
+# (arXiv 2503.14476) | Qwen2.5-32B base | 4 nodes x 8 GPUs | FSDP2 + vLLM | verl 0.9.1
+#
+# Presets: configs/method/dapo.yaml (estimator, loss, clip, KL off, dynamic sampling) and
+# configs/model/qwen2.5_32b.yaml (lengths, batch, parallelism, offload, token budgets).
+# Launch logic: scripts/common.sh.
+#
+#   bash scripts/run_dapo_qwen2.5_32b.sh [overrides]                     # on this node / Slurm driver
+#   RAY_ADDRESS=http://<head>:8265 bash scripts/run_dapo_qwen2.5_32b.sh   # ray job submit to a cluster
+#   DRY_RUN=1 bash scripts/run_dapo_qwen2.5_32b.sh                       # resolve + validate, no Ray
+set -xeuo pipefail
+
+# Algorithm
+method=dapo
+model_preset=qwen2.5_32b
+clip_ratio_low=0.2
+clip_ratio_high=0.28
+loss_agg_mode=token-mean
+n_resp_per_prompt=16
+train_prompt_bsz=512
+train_prompt_mini_bsz=32
+max_prompt_length=$((1024 * 2))
+max_response_length=$((1024 * 20))
+
+# Infrastructure
+NNODES=${NNODES:-4}
+NGPUS_PER_NODE=${NGPUS_PER_NODE:-8}
+RAY_DATA_HOME=${RAY_DATA_HOME:-"${HOME}/verl"}
+MODEL_PATH=${MODEL_PATH:-Qwen/Qwen2.5-32B}
+TRAIN_FILE=${TRAIN_FILE:-"${RAY_DATA_HOME}/data/dapo-math-17k.parquet"}
+TEST_FILE=${TEST_FILE:-"${RAY_DATA_HOME}/data/aime-2024.parquet"}
+PROJECT_NAME=${PROJECT_NAME:-gtpo-reproduction}
+EXP_NAME=${EXP_NAME:-dapo-qwen2.5-32b}
+CKPTS_DIR=${CKPTS_DIR:-"${RAY_DATA_HOME}/ckpts/${PROJECT_NAME}/${EXP_NAME}"}
+RAY_ADDRESS=${RAY_ADDRESS:-}
+WORKING_DIR=${WORKING_DIR:-"$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"}
+RUNTIME_ENV=${RUNTIME_ENV:-"${WORKING_DIR}/recipe/gtpo/runtime_env.yaml"}
+
+# shellcheck source=scripts/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+gtpo_launch \
+    method="${method}" \
+    model="${model_preset}" \
+    data.max_prompt_length="${max_prompt_length}" \
+    data.max_response_length="${max_response_length}" \
+    data.train_batch_size="${train_prompt_bsz}" \
+    actor_rollout_ref.rollout.n="${n_resp_per_prompt}" \
+    actor_rollout_ref.actor.ppo_mini_batch_size="${train_prompt_mini_bsz}" \
+    actor_rollout_ref.actor.clip_ratio_low="${clip_ratio_low}" \
+    actor_rollout_ref.actor.clip_ratio_high="${clip_ratio_high}" \
+    actor_rollout_ref.actor.loss_agg_mode="${loss_agg_mode}" \
+    "$@"

@@ -1,0 +1,146 @@
+"""Support for the end-to-end tests: one Ray cluster for the session, and recipe runs as separate driver jobs.
+
+Each run is ``python -m recipe.gtpo.main_gtpo backend=cpu_tiny ...`` in a subprocess that joins the session's
+cluster through ``RAY_ADDRESS``: the Ray start-up is paid once, and every run is its own Ray job, so its actors and
+placement groups are freed when it ends.
+
+The cluster is started *without* ``VERL_USE_EXTERNAL_MODULES`` in its environment: the TaskRunner and the workers
+only register the plugin if the entry point's runtime env carries it — the situation of a multi-node cluster, which
+a single-node ``ray.init`` would hide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+RAY = str(Path(PYTHON).with_name("ray"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cluster_env() -> dict[str, str]:
+    """Environment of the Ray head: the CPU backend's variables but no plugin list (see module docstring)."""
+    from gtpo.cpu import env as cpu_env
+
+    env = dict(os.environ)
+    env.update(cpu_env())
+    env.pop("VERL_USE_EXTERNAL_MODULES", None)
+    env.pop("RAY_ADDRESS", None)
+    # A loopback-only test cluster: no token authentication (Ray 2.60's `ray start` may require one otherwise).
+    env["RAY_AUTH_MODE"] = "disabled"
+    return env
+
+
+class RayCluster:
+    """A local Ray head (``ray start --head --block``) owned by the test session."""
+
+    def __init__(self, temp_dir: Path):
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.temp_dir = temp_dir
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120.0) -> None:
+        cmd = [
+            RAY, "start", "--head", "--block", f"--port={self.port}", "--node-ip-address=127.0.0.1",
+            "--num-cpus=16", "--num-gpus=1",
+            "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.temp_dir}",
+        ]  # fmt: skip
+        log = open(self.temp_dir.parent / "ray_head.log", "wb")  # noqa: SIM115 - closed with the process
+        self.proc = subprocess.Popen(cmd, env=cluster_env(), stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            probe = subprocess.run(
+                [RAY, "status", f"--address={self.address}"], capture_output=True, env=cluster_env(), timeout=60
+            )
+            if probe.returncode == 0:
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray head exited with {self.proc.returncode}; see {log.name}")
+            time.sleep(2)
+        raise TimeoutError(f"ray head at {self.address} not ready after {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    log_path: Path
+    metrics: list[dict] = field(default_factory=list)
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def steps(self) -> list[int]:
+        return [m["step"] for m in self.metrics]
+
+    def series(self, key: str) -> list[float]:
+        return [m["data"][key] for m in self.metrics if key in m["data"]]
+
+    def last(self) -> dict:
+        return self.metrics[-1]["data"] if self.metrics else {}
+
+
+def run_recipe(
+    cluster: RayCluster,
+    workdir: Path,
+    overrides: list[str],
+    timeout: float = 600.0,
+    name: str = "run",
+) -> RunResult:
+    """Run the recipe's entry point with the CPU backend as a separate Ray job; return its logged metrics."""
+    from gtpo.cpu import env as cpu_env
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics_path = workdir / f"{name}.metrics.jsonl"
+    log_path = workdir / f"{name}.log"
+    env = dict(os.environ)
+    env.update(cpu_env())
+    env["RAY_ADDRESS"] = cluster.address
+    env["RAY_AUTH_MODE"] = "disabled"
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [
+        PYTHON, "-m", "recipe.gtpo.main_gtpo",
+        "backend=cpu_tiny",
+        "ray_kwargs.ray_init.num_cpus=null",
+        "ray_kwargs.ray_init.num_gpus=null",
+        "trainer.logger=[console,file]",
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics_path}",
+        f"hydra.run.dir={workdir / 'hydra'}",
+        *overrides,
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        try:
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+            returncode = proc.returncode
+        except subprocess.TimeoutExpired:
+            returncode = -9
+    metrics = []
+    if metrics_path.exists():
+        metrics = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    return RunResult(returncode=returncode, log_path=log_path, metrics=metrics)
+
+
+def tail(text: str, n: int = 60) -> str:
+    return "\n".join(text.splitlines()[-n:])

@@ -1,0 +1,287 @@
+"""The CPU demo (gtpo.cpu.demo): its reward, its offline assets, its trainer overrides, and that verl's real trainer
+learns the task on CPU.
+
+    .venv/bin/python -m pytest -q tests/test_demo.py -m "not e2e"     # unit tests, seconds
+    .venv/bin/python -m pytest -q tests/test_demo.py -m e2e           # the demo learns (~4 min on 2 cores)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gtpo.cpu import demo
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> demo.DemoAssets:
+    return demo.build_demo_assets(tmp_path_factory.mktemp("demo_cache"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(assets):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(assets.tokenizer_dir)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reward
+
+
+@pytest.mark.parametrize(
+    ("response", "target", "expected"),
+    [
+        ("3", "3", 1.0),
+        ("3 4 5", "3", 1.0),
+        (" \n 3 \n", "3", 1.0),
+        ("7", " 7 ", 1.0),
+        ("4 3", "3", 0.0),
+        ("33", "3", 0.0),
+        ("three", "3", 0.0),
+        ("", "3", 0.0),
+        (" \n ", "3", 0.0),
+        ("say 3", "3", 0.0),
+    ],
+)
+def test_score_is_first_word_equals_target(response, target, expected):
+    assert demo.score_response(response, target) == expected
+
+
+def test_compute_score_takes_verl_keyword_arguments():
+    # verl's naive reward manager calls it with these keywords (and may add more).
+    kwargs = dict(data_source=demo.DATA_SOURCE, ground_truth="5", extra_info={"index": 0}, num_turns=1)
+    assert demo.compute_score(solution_str="5 five", **kwargs) == 1.0
+    assert demo.compute_score(solution_str="five 5", **kwargs) == 0.0
+    assert demo.compute_score(solution_str=None, **kwargs) == 0.0
+
+
+def test_reward_is_binary_zero_one_for_gtpo():
+    # GTPO splits correct / incorrect at reward > 0 (reward_threshold 0) with negative base -1: a 0/1 reward fits,
+    # and a correct reward must be > 0 (entropy_shaping.validate_shaping_inputs).
+    from gtpo.algorithms.entropy_shaping import GTPOParams
+
+    params = GTPOParams()
+    assert params.reward_threshold == 0.0 and params.negative_base == "minus_one"
+    assert demo.score_response("1", "1") > params.reward_threshold >= demo.score_response("2", "1")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# assets
+
+
+def test_tokenizer_vocabulary(tokenizer):
+    assert len(tokenizer) == 43
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.eos_token_id != tokenizer.pad_token_id
+    vocab = tokenizer.get_vocab()
+    for word in ("say", *demo.DIGITS, *demo.NUMBER_WORDS, "\n"):
+        assert word in vocab, word
+    assert len(set(vocab.values())) == len(vocab) == 43
+
+
+def test_newline_is_exactly_one_token(tokenizer):
+    # verl 0.9.1's Qwen continuous-token builder rejects a tokenizer where "\n" is not one token (CPU_DEMO trap 2).
+    ids = tokenizer.encode("\n", add_special_tokens=False)
+    assert ids == [tokenizer.convert_tokens_to_ids("\n")]
+    assert tokenizer.encode("<|im_end|>\n", add_special_tokens=False) == [tokenizer.eos_token_id, ids[0]]
+
+
+@pytest.mark.parametrize("d", range(10))
+def test_prompt_ids_are_exactly_say_and_digit(tokenizer, d):
+    enc = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"say {d}"}], add_generation_prompt=True, tokenize=True
+    )
+    ids = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc
+    assert list(ids) == [tokenizer.convert_tokens_to_ids("say"), tokenizer.convert_tokens_to_ids(str(d))]
+
+
+def test_decoded_target_token_scores_one(tokenizer):
+    # What the reward manager sees for a perfect response: the digit, then eos (skipped on decode).
+    for d in demo.DIGITS:
+        ids = [tokenizer.convert_tokens_to_ids(d), tokenizer.eos_token_id]
+        assert demo.score_response(tokenizer.decode(ids, skip_special_tokens=True), d) == 1.0
+    # a leading newline is whitespace, not a word
+    newline_first = [tokenizer.convert_tokens_to_ids("\n"), tokenizer.convert_tokens_to_ids("4")]
+    assert demo.score_response(tokenizer.decode(newline_first, skip_special_tokens=True), "4") == 1.0
+    assert demo.score_response(tokenizer.decode([tokenizer.convert_tokens_to_ids("four")]), "4") == 0.0
+
+
+def test_tokenizer_lives_in_its_own_folder(assets):
+    # transformers 5 ignores a custom tokenizer saved next to a Qwen2 config.json (CPU_DEMO trap 1).
+    model_dir, tok_dir = Path(assets.model_dir), Path(assets.tokenizer_dir)
+    assert model_dir != tok_dir
+    assert (tok_dir / "tokenizer.json").is_file() and not (tok_dir / "config.json").exists()
+    assert not (model_dir / "tokenizer.json").exists()
+
+
+def test_model_matches_tokenizer(assets, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(assets.model_dir)
+    cfg = model.config
+    assert cfg.model_type == "qwen2"
+    assert cfg.vocab_size == len(tokenizer) == 43
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 2, 4, 2)
+    assert cfg.tie_word_embeddings and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert cfg.eos_token_id == tokenizer.eos_token_id and cfg.pad_token_id == tokenizer.pad_token_id
+    assert 70_000 < sum(p.numel() for p in model.parameters()) < 85_000
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_seed_changes_the_model_and_rebuild_is_cached(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    a0 = demo.build_demo_assets(tmp_path, seed=0)
+    a1 = demo.build_demo_assets(tmp_path, seed=1)
+    assert demo.build_demo_assets(tmp_path, seed=0) == a0
+    w0 = load_file(str(Path(a0.model_dir) / "model.safetensors"))
+    w1 = load_file(str(Path(a1.model_dir) / "model.safetensors"))
+    key = "model.embed_tokens.weight"
+    assert not torch.equal(w0[key], w1[key])
+    with pytest.raises(ValueError, match="seed=-1"):
+        demo.build_demo_assets(tmp_path, seed=-1)
+
+
+def test_parquet_rows(assets):
+    import pandas as pd
+
+    train = pd.read_parquet(assets.train_parquet)
+    val = pd.read_parquet(assets.val_parquet)
+    assert len(train) == 1000 and len(val) == 10
+    for df in (train, val):
+        prompts = [list(p)[0]["content"] for p in df["prompt"]]
+        truths = [rm["ground_truth"] for rm in df["reward_model"]]
+        assert all(p == f"say {t}" for p, t in zip(prompts, truths))
+        assert set(df["data_source"]) == {demo.DATA_SOURCE}
+        assert all(len(list(p)) == 1 and list(p)[0]["role"] == "user" for p in df["prompt"])
+    assert train["reward_model"].map(lambda rm: rm["ground_truth"]).value_counts().to_dict() == {
+        d: 100 for d in demo.DIGITS
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# trainer overrides and results
+
+
+def test_overrides_compose_with_the_recipe(assets):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import gtpo.verl_plugin.register  # noqa: F401
+    from gtpo.verl_plugin.validation import validate_recipe_config
+
+    overrides = [
+        "backend=cpu_tiny",
+        *demo.method_overrides("gtpo"),
+        *demo.demo_overrides(assets, 7, 3, "/tmp/rollouts", method="gtpo"),
+    ]
+    old = os.getcwd()
+    os.chdir(REPO_ROOT)
+    try:
+        with initialize_config_dir(config_dir=str(REPO_ROOT / "recipe" / "gtpo" / "config"), version_base=None):
+            cfg = compose(config_name="gtpo_trainer", overrides=overrides)
+    finally:
+        os.chdir(old)
+    validate_recipe_config(cfg)
+    assert cfg.algorithm.adv_estimator == "gtpo"
+    assert cfg.algorithm.gtpo.norm_mode == "joint"
+    assert cfg.actor_rollout_ref.model.tokenizer_path == assets.tokenizer_dir
+    assert cfg.actor_rollout_ref.rollout.name == "hf"
+    assert cfg.actor_rollout_ref.rollout.n == 16 and cfg.data.train_batch_size == 8
+    assert cfg.data.max_response_length == cfg.actor_rollout_ref.rollout.response_length == 4
+    assert cfg.trainer.total_training_steps == 7 and cfg.data.seed == 3
+    assert cfg.reward.custom_reward_function.path == "pkg://gtpo.cpu.demo"
+    assert OmegaConf.select(cfg, "trainer.rollout_data_dir") == "/tmp/rollouts"
+    # 8 prompts x 16 samples in mini-batches of 2 prompts: 4 PPO updates per step.
+    assert cfg.data.train_batch_size // cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 4
+
+
+def test_grpo_gets_no_gtpo_setting(assets):
+    ov = demo.demo_overrides(assets, 5, 0, method="grpo")
+    assert not any("algorithm.gtpo" in o for o in ov)
+    assert demo.method_overrides("grpo") in (["method=grpo"], ["algorithm.adv_estimator=grpo"])
+
+
+def test_bad_arguments_raise(assets):
+    with pytest.raises(ValueError, match="steps=0"):
+        demo.demo_overrides(assets, 0, 0)
+    with pytest.raises(ValueError, match="method="):
+        demo.method_overrides("grpo data.x=1")
+
+
+def test_load_rewards_and_summary(tmp_path):
+    path = tmp_path / "m.jsonl"
+    values = [0.0] * 10 + [0.5] * 5 + [1.0] * 10
+    lines = [json.dumps({"step": i + 1, "data": {demo.REWARD_KEY: v, "x": 1}}) for i, v in enumerate(values)]
+    lines.insert(3, json.dumps({"step": 0, "data": {"val-core/x": 0.1}}))
+    path.write_text("\n".join(lines) + '\n{"step": 99, "da')
+    rewards = demo.load_rewards(path)
+    assert [s for s, _ in rewards] == list(range(1, 26))
+    summary = demo.summarize(rewards, window=10, target=0.8)
+    assert summary["first_mean"] == 0.0 and summary["last_mean"] == 1.0
+    # trailing 10-step means: step 23 -> (2 x 0.5 + 8 x 1) / 10 = 0.9, step 22 -> (3 x 0.5 + 7) / 10 = 0.85,
+    # step 21 -> 0.8, step 20 -> (5 x 0.5 + 5) / 10 = 0.75
+    assert summary["step_reaching_target"] == 21
+    assert demo.summarize([]) == {"steps": 0}
+
+
+def test_latest_token_dump(tmp_path):
+    for name in ("tokens_2.jsonl", "tokens_10.jsonl", "tokens_x.jsonl", "11.jsonl"):
+        (tmp_path / name).write_text("")
+    assert demo.latest_token_dump(tmp_path) == tmp_path / "tokens_10.jsonl"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# end to end: the demo learns
+
+E2E_STEPS = 50
+E2E_WINDOW = 5
+
+
+@pytest.fixture(scope="module")
+def demo_cluster(request, tmp_path_factory):
+    """The session's shared Ray cluster when the harness provides one, else one for this module."""
+    try:
+        shared = request.getfixturevalue("ray_cluster")
+    except pytest.FixtureLookupError:
+        shared = None
+    if shared is not None:
+        yield shared
+        return
+    from e2e_support import RayCluster
+
+    cluster = RayCluster(tmp_path_factory.mktemp("demo_ray") / "t")
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.e2e
+def test_demo_learns(demo_cluster, assets, tmp_path):
+    """GTPO (the demo's default) through verl's trainer: the mean reward of the last steps clearly beats the first."""
+    from e2e_support import run_recipe, tail
+
+    overrides = [
+        *demo.method_overrides("gtpo"),
+        *demo.demo_overrides(assets, E2E_STEPS, 0, tmp_path / "rollouts", method="gtpo"),
+    ]
+    result = run_recipe(demo_cluster, tmp_path, overrides, timeout=420, name="demo")
+    assert result.returncode == 0, tail(result.log)
+    rewards = [v for _, v in demo.load_rewards(tmp_path / "demo.metrics.jsonl")]
+    assert len(rewards) == E2E_STEPS, tail(result.log)
+    first = sum(rewards[:E2E_WINDOW]) / E2E_WINDOW
+    last = sum(rewards[-E2E_WINDOW:]) / E2E_WINDOW
+    assert first < 0.3, rewards
+    assert last > first + 0.3, rewards
+    # the GTPO estimator really ran (its diagnostics are logged)
+    assert any(k.startswith("gtpo/") for k in result.last()), sorted(result.last())

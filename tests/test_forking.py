@@ -1,0 +1,241 @@
+"""DAPO w/ Forking Tokens (arXiv 2506.01939): top-rho entropy mask and the loss hook through verl's ppo_loss.
+
+Run: cd /work/main && .venv/bin/pytest -q tests/test_forking.py
+
+Checks the quantile against hand-computed values, ties, padding, zero gradient through the mask, the denominator
+(= selected count), micro-batch / DP splitting, and the batch scope.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gtpo.algorithms.token_selection import entropy_threshold, top_entropy_mask
+
+PAD_H = 100.0  # a huge entropy on padding: selecting padding would be visible
+
+
+def test_hand_computed_quantile_and_padding():
+    ent = torch.tensor([[0.1, 0.5, 0.9, PAD_H], [0.3, 0.7, PAD_H, PAD_H]])
+    valid = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    mask, tau = top_entropy_mask(ent, valid, rho=0.4)  # n = 5, k = ceil(2.0) = 2 -> {0.9, 0.7}
+    assert tau.item() == pytest.approx(0.7)
+    assert mask.tolist() == [[False, False, True, False], [False, True, False, False]]
+    mask, tau = top_entropy_mask(ent, valid, rho=0.2)  # k = 1 -> {0.9}
+    assert tau.item() == pytest.approx(0.9) and int(mask.sum()) == 1
+    mask, tau = top_entropy_mask(ent, valid, rho=0.5)  # k = ceil(2.5) = 3 -> {0.9, 0.7, 0.5}
+    assert tau.item() == pytest.approx(0.5) and int(mask.sum()) == 3
+    mask, _ = top_entropy_mask(ent, valid, rho=1.0)
+    assert torch.equal(mask, valid.bool())
+
+
+def test_ties_are_all_selected_and_order_free():
+    ent = torch.tensor([[1.0, 0.5, 1.0, 1.0]])
+    valid = torch.ones(1, 4)
+    mask, tau = top_entropy_mask(ent, valid, rho=0.25)  # k = 1 but three tokens tie at the threshold
+    assert tau.item() == 1.0 and mask.tolist() == [[True, False, True, True]]
+    perm = torch.tensor([3, 1, 0, 2])
+    mask_p, _ = top_entropy_mask(ent[:, perm], valid, rho=0.25)
+    assert torch.equal(mask_p, mask[:, perm])
+
+
+def test_random_no_ties_selects_exactly_ceil_rho_n():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        b, L = torch.randint(1, 6, (2,), generator=g).tolist()
+        ent = torch.rand(b, L, generator=g)
+        valid = torch.rand(b, L, generator=g) > 0.3
+        rho = float(torch.rand(1, generator=g).clamp(min=0.01))
+        mask, tau = top_entropy_mask(ent, valid, rho)
+        n = int(valid.sum())
+        if n == 0:
+            assert not mask.any() and math.isinf(tau.item())
+            continue
+        assert int(mask.sum()) == math.ceil(rho * n - 1e-9)
+        assert not (mask & ~valid).any()
+        if (valid & ~mask).any():
+            assert ent[mask].min() > ent[valid & ~mask].max()
+
+
+def test_bad_rho_raises():
+    for rho in (0.0, -0.1, 1.5, True):
+        with pytest.raises(ValueError, match="rho"):
+            entropy_threshold(torch.ones(2), torch.ones(2, dtype=torch.bool), rho)
+
+
+def test_no_gradient_through_mask():
+    ent = torch.rand(2, 3, requires_grad=True)
+    mask, tau = top_entropy_mask(ent, torch.ones(2, 3), rho=0.5)
+    assert not mask.requires_grad and not tau.requires_grad and mask.dtype == torch.bool
+
+
+# ------------------------------------------------------------------------------------------- loss hook (verl)
+
+
+def _actor_config(mode="token-mean"):
+    from verl.workers.config import FSDPActorConfig
+
+    return FSDPActorConfig(
+        strategy="fsdp",
+        rollout_n=2,
+        ppo_micro_batch_size_per_gpu=2,
+        ppo_mini_batch_size=2,
+        loss_agg_mode=mode,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        calculate_entropy=True,
+    )
+
+
+def _micro_batch(prompt_lens, resp_ents, advs, *, dp_size=1, batch_num_tokens=None, extra=None, old_ent=None):
+    """A worker-style micro-batch (jagged tensors) and model_output, log-probs at ratio 1."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    def nt(xs):
+        return torch.nested.as_nested_tensor(xs, layout=torch.jagged)
+
+    resp_lens = [len(e) for e in resp_ents]
+    data = TensorDict(
+        {
+            "prompts": nt([torch.ones(p, dtype=torch.long) for p in prompt_lens]),
+            "responses": nt([torch.ones(r, dtype=torch.long) for r in resp_lens]),
+            "response_mask": nt([torch.ones(r, dtype=torch.long) for r in resp_lens]),
+            "old_log_probs": nt([torch.zeros(r) for r in resp_lens]),
+            "advantages": nt([torch.tensor(a, dtype=torch.float32) for a in advs]),
+        },
+        batch_size=[len(prompt_lens)],
+    )
+    if old_ent is not None:
+        data["entropy"] = nt([torch.tensor(e, dtype=torch.float32) for e in old_ent])
+    total = sum(prompt_lens) + sum(resp_lens)
+    tu.assign_non_tensor(
+        data, dp_size=dp_size, batch_num_tokens=batch_num_tokens or sum(resp_lens), global_batch_size=len(prompt_lens)
+    )
+    if extra:
+        tu.assign_non_tensor(data, **extra)
+    # Flat (no-padding) model outputs; response token t of row i sits at seq_start + p_i - 1 + t.
+    ent_flat = torch.zeros(total)
+    start = 0
+    for p, e in zip(prompt_lens, resp_ents, strict=True):
+        ent_flat[start + p - 1 : start + p - 1 + len(e)] = torch.tensor(e)
+        start += p + len(e)
+    ent_leaf = ent_flat.clone().requires_grad_(True)
+    logp = torch.zeros(total, requires_grad=True)
+    return data, {"log_probs": logp, "entropy": ent_leaf * 1.0}, logp, ent_leaf
+
+
+def _loss(params, *args, **kwargs):
+    from gtpo.verl_plugin.forking import ForkingPPOLoss
+
+    data, out, logp, ent_leaf = _micro_batch(*args, **kwargs)
+    loss, metrics = ForkingPPOLoss(_actor_config(), params)(out, data)
+    loss.backward()
+    return loss, metrics, logp.grad, ent_leaf.grad
+
+
+def _p(**kw):
+    from gtpo.verl_plugin.forking import ForkingParams
+
+    return ForkingParams(enable=True, **kw)
+
+
+def test_denominator_is_selected_count_and_gradient_only_on_selected():
+    ents = [[0.1, 0.9, 0.3], [0.8, 0.2]]
+    advs = [[1.0, 2.0, 3.0], [-4.0, 5.0]]
+    loss, metrics, grad, ent_grad = _loss(_p(rho=0.4), [2, 3], ents, advs)
+    # n = 5, k = 2 -> tokens with H 0.9 (A=2) and 0.8 (A=-4); vanilla loss at ratio 1 is -A.
+    assert loss.item() == pytest.approx(-(2.0 - 4.0) / 2)
+    # Gradient w.r.t. log-probs: -A / n_sel on the selected tokens only (prompt positions and others 0).
+    expected = torch.zeros_like(grad)
+    expected[2] = -2.0 / 2  # row 0 response token 1 -> flat index 0 + 2 - 1 + 1
+    expected[5 + 3 - 1 + 0] = 4.0 / 2  # row 1 response token 0
+    torch.testing.assert_close(grad, expected)
+    # No gradient reaches the entropy through the mask (entropy_coeff = 0 adds only a zero term).
+    assert ent_grad is None or torch.all(ent_grad == 0)
+    assert metrics["forking/selected_token_frac"].values == [pytest.approx(2 / 5)]
+    assert metrics["forking/entropy_threshold"].values == [pytest.approx(0.8)]
+
+
+def test_micro_batches_and_dp_ranks_recombine_to_the_global_selected_mean():
+    ents = [[0.1, 0.9, 0.3, 0.2, 0.95], [0.8, 0.05, 0.4, 0.5, 0.6]]
+    advs = [[1.0, 2.0, 3.0, 4.0, 5.0], [-1.0, -2.0, -3.0, -4.0, -5.0]]
+    # Whole batch in one micro-batch, rho 0.2 of 10 tokens -> 0.95 (A=5) and 0.9 (A=2).
+    full, *_ = _loss(_p(rho=0.2), [2, 2], ents, advs)
+    assert full.item() == pytest.approx(-(5.0 + 2.0) / 2)
+    # Gradient accumulation: two micro-batches of one row, each selecting 1 of 5 (the same tokens here).
+    parts = [_loss(_p(rho=0.2), [2], [ents[i]], [advs[i]], batch_num_tokens=10)[0] for i in range(2)]
+    # Row 1 selects its own top token (0.8, A=-1) instead: the paper's per-micro-batch quantile.
+    assert sum(p.item() for p in parts) == pytest.approx(-(5.0 - 1.0) / 2)
+    # DP = 2: each rank's loss is scaled by dp_size, DDP averages the gradients -> same total.
+    ranks = [_loss(_p(rho=0.2), [2], [ents[i]], [advs[i]], dp_size=2, batch_num_tokens=10)[0] for i in range(2)]
+    assert sum(r.item() for r in ranks) / 2 == pytest.approx(sum(p.item() for p in parts))
+
+
+def test_batch_scope_uses_driver_threshold_and_fraction():
+    from gtpo.verl_plugin.forking import FRACTION_KEY, THRESHOLD_KEY, batch_threshold_extra_info
+
+    old = [[0.1, 0.9, 0.3], [0.8, 0.2]]
+    padded = torch.tensor([[0.1, 0.9, 0.3], [0.8, 0.2, PAD_H]])
+    info = batch_threshold_extra_info(padded, torch.tensor([[1, 1, 1], [1, 1, 0]]), rho=0.2)
+    assert info[THRESHOLD_KEY] == pytest.approx(0.9) and info[FRACTION_KEY] == pytest.approx(1 / 5)
+    # Training entropy differs from the old one: the batch scope selects on the old entropy.
+    train_ents = [[0.9, 0.1, 0.1], [0.1, 0.1]]
+    loss, metrics, grad, _ = _loss(
+        _p(rho=0.2, scope="batch"), [2, 3], train_ents, [[1.0, 2.0, 3.0], [4.0, 5.0]], extra=info, old_ent=old
+    )
+    # Selected: the old-entropy 0.9 token (A=2); denominator rho_B * N = 0.2 * 5 = 1.
+    assert loss.item() == pytest.approx(-2.0)
+    with pytest.raises(ValueError, match="driver hook"):
+        _loss(_p(rho=0.2, scope="batch"), [2], [[0.1]], [[1.0]])
+
+
+def test_errors_for_missing_entropy_and_wrong_agg_mode():
+    from gtpo.verl_plugin.forking import ForkingParams, ForkingPPOLoss, load_params
+
+    with pytest.raises(ValueError, match="token-mean"):
+        ForkingPPOLoss(_actor_config("seq-mean-token-mean"), _p())
+    data, out, *_ = _micro_batch([2], [[0.5, 0.6]], [[1.0, 1.0]])
+    out.pop("entropy")
+    with pytest.raises(ValueError, match="calculate_entropy"):
+        ForkingPPOLoss(_actor_config(), _p())(out, data)
+    with pytest.raises(ValueError, match=r"algorithm\.forking\.scope"):
+        load_params({"forking": {"scope": "global"}})
+    with pytest.raises(ValueError, match=r"algorithm\.forking\.rho"):
+        load_params({"forking": {"rho": 0}})
+    assert load_params({}) == ForkingParams()
+
+
+def test_install_sets_loss_only_when_enabled():
+    from omegaconf import OmegaConf
+
+    from gtpo.verl_plugin.forking import ForkingPPOLoss, install
+
+    class _WG:
+        loss = None
+
+        def set_loss_fn(self, fn):
+            self.loss = fn
+
+    actor = {
+        "_target_": "verl.workers.config.FSDPActorConfig",
+        "strategy": "fsdp",
+        "rollout_n": 2,
+        "ppo_micro_batch_size_per_gpu": 2,
+        "ppo_mini_batch_size": 2,
+        "loss_agg_mode": "token-mean",
+        "calculate_entropy": True,
+    }
+
+    class _Trainer:
+        def __init__(self, forking):
+            self.config = OmegaConf.create({"algorithm": {"forking": forking}, "actor_rollout_ref": {"actor": actor}})
+            self.actor_rollout_wg = _WG()
+
+    t = _Trainer({"enable": False})
+    assert install(t) is None and t.actor_rollout_wg.loss is None
+    t = _Trainer({"enable": True, "rho": 0.2})
+    assert install(t).rho == 0.2 and isinstance(t.actor_rollout_wg.loss, ForkingPPOLoss)

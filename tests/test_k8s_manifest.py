@@ -1,0 +1,145 @@
+"""scripts/k8s/rayjob.yaml against KubeRay's RayJob schema (ray.io/v1), plus the fields the recipe relies on.
+
+    .venv/bin/pytest -q tests/test_k8s_manifest.py
+
+The schema is KubeRay v1.7.0's CRD schema (tests/schemas/README.md gives its provenance), validated with
+`jsonschema` in strict mode: objects that list their properties reject unknown fields, as kubeconform -strict
+does, so a misspelt field fails here rather than being pruned silently by the API server.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFEST = REPO / "scripts" / "k8s" / "rayjob.yaml"
+SCHEMA = REPO / "tests" / "schemas" / "rayjob_ray.io_v1.schema.json"
+PLUGIN = "gtpo.verl_plugin.register"
+
+
+def strict(schema):
+    """Close every object schema that lists properties and allows nothing else explicitly."""
+    if isinstance(schema, dict):
+        out = {key: strict(value) for key, value in schema.items()}
+        if (
+            "properties" in out
+            and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [strict(item) for item in schema]
+    return schema
+
+
+@pytest.fixture(scope="module")
+def validator():
+    schema = strict(json.loads(SCHEMA.read_text()))
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+@pytest.fixture(scope="module")
+def job() -> dict:
+    docs = list(yaml.safe_load_all(MANIFEST.read_text()))
+    assert len(docs) == 1
+    return docs[0]
+
+
+def errors(validator, doc) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def test_schema_valid(validator, job):
+    assert errors(validator, job) == []
+
+
+@pytest.mark.parametrize(
+    "path,value",
+    [
+        (("spec", "shutdownAfterJobFinish"), True),  # misspelt field
+        (("spec", "ttlSecondsAfterFinished"), "3600"),  # wrong type
+        (("spec", "rayClusterSpec", "workerGroupSpecs", 0, "replicas"), "4"),  # wrong type
+        (("spec", "rayClusterSpec", "headGroupSpec", "template", "spec", "volumes", 0, "emptyDir", "medum"), "x"),
+        (("spec", "rayClusterSpec", "headGroupSpec", "template", "spec", "containers", 0, "imagePullPolicy"), 3),
+    ],
+)
+def test_schema_rejects_broken_manifest(validator, job, path, value):
+    broken = copy.deepcopy(job)
+    node = broken
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    assert errors(validator, broken)
+
+
+def container(group: dict) -> dict:
+    (c,) = group["template"]["spec"]["containers"]
+    return c
+
+
+def volumes_by_name(group: dict) -> dict:
+    return {v["name"]: v for v in group["template"]["spec"]["volumes"]}
+
+
+def mounts_by_path(group: dict) -> dict:
+    return {m["mountPath"]: m for m in container(group)["volumeMounts"]}
+
+
+def test_recipe_fields(job):
+    assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
+    spec = job["spec"]
+    assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] > 0
+
+    # The entrypoint calls one launch script of this repository, at its path inside the image.
+    match = re.fullmatch(r"bash /workspace/gtpo/(scripts/run_\w+_qwen2\.5_\w+\.sh)( .*)?", spec["entrypoint"])
+    assert match and (REPO / match.group(1)).is_file(), spec["entrypoint"]
+
+    env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
+    assert PLUGIN in env["VERL_USE_EXTERNAL_MODULES"].split(",")
+    # The driver adds the plugin to ray.init's runtime env too: Ray must let it win instead of failing the job.
+    assert env["RAY_OVERRIDE_JOB_RUNTIME_ENV"] == "1"
+    assert "WANDB_API_KEY" not in env
+
+    cluster = spec["rayClusterSpec"]
+    head = cluster["headGroupSpec"]
+    (workers,) = cluster["workerGroupSpecs"]
+
+    # GPU-less head.
+    assert head["rayStartParams"]["num-gpus"] == "0"
+    for section in ("requests", "limits"):
+        assert "nvidia.com/gpu" not in container(head)["resources"].get(section, {})
+
+    # GPU workers: fixed size, matching the launch script's node and GPU counts.
+    gpus = container(workers)["resources"]["limits"]["nvidia.com/gpu"]
+    assert int(gpus) == int(env["NGPUS_PER_NODE"]) > 0
+    assert workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"] == int(env["NNODES"])
+    assert container(head)["image"] == container(workers)["image"]
+
+    for group in (head, workers):
+        volumes, mounts = volumes_by_name(group), mounts_by_path(group)
+        # Large shared memory for NCCL / vLLM.
+        shm = volumes[mounts["/dev/shm"]["name"]]["emptyDir"]
+        assert shm["medium"] == "Memory" and shm["sizeLimit"].endswith("Gi")
+        # Checkpoints on a persistent volume that holds CKPTS_DIR; data and model read from a mounted volume.
+        ckpt_mount = next(p for p in mounts if env["CKPTS_DIR"].startswith(p + "/"))
+        assert "persistentVolumeClaim" in volumes[mounts[ckpt_mount]["name"]]
+        for key in ("MODEL_PATH", "TRAIN_FILE", "TEST_FILE"):
+            assert any(env[key].startswith(p + "/") for p in mounts), key
+        # W&B key from a Secret, never a literal.
+        (wandb,) = [e for e in container(group)["env"] if e["name"] == "WANDB_API_KEY"]
+        assert "value" not in wandb and wandb["valueFrom"]["secretKeyRef"]["name"]
+
+
+def test_ray_version_matches_image(job):
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    pinned = re.search(r'"ray\[default\]==([\d.]+)"', dockerfile)
+    assert pinned and job["spec"]["rayClusterSpec"]["rayVersion"] == pinned.group(1)

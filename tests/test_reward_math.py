@@ -1,0 +1,263 @@
+"""Math reward: extraction, equivalence verdicts, hard time limits, threads/async/fork safety.
+
+Run: cd /work/main && .venv/bin/pytest -q tests/test_reward_math.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from gtpo.reward.extract import MAX_ANSWER_CHARS, extract_answer, last_boxed, normalize_for_vote
+from gtpo.reward.math import (
+    GRADE_STATUSES,
+    RESULT_KEYS,
+    compute_score,
+    compute_score_async,
+    compute_score_inline,
+    compute_scores_batch,
+)
+from gtpo.reward.pool import GraderPool, get_pool
+
+TOWER = r"\dfrac{5^{(5^{(5^{(5^5)})}-4)}-5}{16}"
+MB = 1_000_000
+
+# (response, gold, expected acc, expected grade_status or None for "ok", wall-time bound in seconds)
+CASES = [
+    (r"So \boxed{\dfrac{1}{2}}.", r"\frac{1}{2}", True, "ok", 8),
+    (r"\boxed{0.5}", r"\frac12", True, "ok", 8),
+    (r"\boxed{\frac{2}{4}}", r"\frac{1}{2}", True, "ok", 8),
+    (r"\boxed{\frac{1}{3}}", r"\frac{1}{2}", False, "ok", 8),
+    (r"\boxed{-3}", "-3", True, "ok", 8),
+    (r"\boxed{3}", "-3", False, "ok", 8),
+    (r"\boxed{(1,2]}", "(1,2]", True, "ok", 8),
+    (r"\boxed{[1,2]}", "(1,2]", False, "ok", 8),
+    (r"\boxed{[-2,\infty)}", r"[-2,\infty)", True, "ok", 8),
+    (r"first \boxed{3}, finally \boxed{4}", "4", True, "ok", 8),
+    (r"first \boxed{3}, finally \boxed{4}", "3", False, "ok", 8),
+    ("The answer is 5", "5", False, "no_answer", 2),
+    ("", "5", False, "no_answer", 2),
+    (None, "5", False, "no_answer", 2),
+    (r"\boxed{}", "5", False, "no_answer", 2),
+    (r"\boxed{5", "5", False, "unclosed", 2),
+    ("x" * MB + r" \boxed{7}", "7", True, "ok", 8),
+    (r"\boxed{" + "1" * 100_000 + "}", "1", False, "too_long", 8),
+    # only the response's tail is searched: a box opening 1 MB before the end is not seen
+    (r"\boxed{" + "1" * MB + "}", "1", False, "no_answer", 8),
+    ("word " * (MB // 5), "7", False, "no_answer", 8),
+    (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt3}{2}", True, "ok", 8),
+    (r"\boxed{\{1,2\}}", r"\{1,2\}", True, "ok", 8),
+    (r"\boxed{" + TOWER + "}", "5", False, "timeout", 8),
+    ("Reasoning...\nAnswer: 34", "34", True, "ok", 8),
+    ("**Answer:** $\\frac{3}{4}$", r"\frac34", True, "ok", 8),
+    (r"Answer: \boxed{12}", "12", True, "ok", 8),
+    ("We get \\boxed{3} first.\nAnswer: 5", "5", True, "ok", 8),
+    ("Answer: 3 was wrong; recheck: \\boxed{5}", "5", True, "ok", 8),
+    ("答案\nAnswer：5", "5", True, "ok", 8),
+    ("## Final Answer: 8", "8", True, "ok", 8),
+    # "answer:" inside prose is not the DAPO answer line; the earlier box stands
+    ("So \\boxed{44}.\nWe may check our answer: $17 \\cdot 44 = 748$.", "44", True, "ok", 8),
+    (r"\boxed{10\text{ cm}}", "10", True, "ok", 8),
+    (r"\boxed{50\%}", "50", True, "ok", 8),
+    (r"\boxed{50}", r"50\%", True, "ok", 8),
+    (r"\boxed{90^\circ}", "90", True, "ok", 8),
+    (r"\boxed{x=5}", "5", True, "ok", 8),
+    (r"\boxed{1,000}", "1000", True, "ok", 8),
+    (r"\boxed{2^{1/2}}", r"\sqrt{2}", True, "ok", 8),
+    (r"\boxed 5", "5", True, "ok", 8),
+    (r"\fbox{5}", "5", True, "ok", 8),
+    (r"\boxed{5.}", "5", True, "ok", 8),
+    (r"\boxed{3.14159}", r"\pi", False, "ok", 8),
+    (r"\boxed{\left(3, \frac{\pi}{2}\right)}", r"\left( 3, \frac{\pi}{2} \right)", True, "ok", 8),
+    (r"\boxed{3+4}", "7", True, "ok", 8),
+    (r"\boxed{\frac{}{}}", "1", False, "parse_error", 8),
+    (r"\boxed{7}", r"\boxed{7}", True, "ok", 8),
+    (r"\boxed{\infty}", r"\infty", True, "ok", 8),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_pool():
+    # start one worker up front so per-call bounds below measure grading, not interpreter start-up
+    assert compute_score("w", r"\boxed{1}", "1")["acc"] is True
+
+
+@pytest.mark.parametrize("response,gold,acc,status,bound", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_grading_cases(response, gold, acc, status, bound):
+    t0 = time.monotonic()
+    out = compute_score("math", response, gold, timeout_s=4)
+    elapsed = time.monotonic() - t0
+    assert out["acc"] is acc, out
+    assert out["grade_status"] == status, out
+    assert out["score"] == (1.0 if acc else -1.0)
+    assert elapsed < bound, f"{elapsed:.2f}s"
+
+
+def test_case_count():
+    assert len(CASES) >= 30
+
+
+def test_result_schema_is_stable_and_json_friendly():
+    outs = [compute_score("d", r, g) for r, g, *_ in CASES[:16]]
+    for out in outs:
+        assert tuple(out) == RESULT_KEYS
+        assert isinstance(out["score"], float) and isinstance(out["acc"], bool) and isinstance(out["pred"], str)
+        assert out["grade_status"] in GRADE_STATUSES
+        json.dumps(out)
+    # verl stacks each key across samples with np.array
+    assert np.array([o["acc"] for o in outs]).dtype == bool
+    assert np.array([o["pred"] for o in outs]).dtype.kind == "U"
+
+
+def test_pred_is_extracted_answer():
+    assert compute_score("d", r"so \boxed{\frac{3}{4}}.", "0.75")["pred"] == r"\frac{3}{4}"
+    assert compute_score("d", "Answer: $12$.", "12")["pred"] == "12"
+    assert compute_score("d", "nothing", "12")["pred"] == ""
+
+
+def test_binary_score_mode_via_kwargs_and_extra_info():
+    assert compute_score("d", r"\boxed{2}", "2", score_mode="binary")["score"] == 1.0
+    assert compute_score("d", r"\boxed{3}", "2", score_mode="binary")["score"] == 0.0
+    assert compute_score("d", r"\boxed{3}", "2", extra_info={"score_mode": "binary"})["score"] == 0.0
+    # kwargs (verl's reward_kwargs) win over extra_info
+    assert compute_score("d", r"\boxed{3}", "2", {"score_mode": "binary"}, score_mode="pm1")["score"] == -1.0
+    with pytest.raises(ValueError, match="score_mode='bogus'"):
+        compute_score("d", r"\boxed{3}", "2", score_mode="bogus")
+
+
+def test_unknown_kwargs_and_odd_ground_truths():
+    out = compute_score("d", r"\boxed{4}", "4", extra_info={"num_turns": 2}, reward_router_address=None)
+    assert out["acc"]
+    assert compute_score("d", r"\boxed{4}", 4)["acc"]
+    assert compute_score("d", r"\boxed{4}", np.str_("4"))["acc"]
+    assert compute_score("d", r"\boxed{4}", ["3", "4"])["acc"]
+    assert compute_score("d", r"\boxed{4}", np.array(["3", "5"], dtype=object))["acc"] is False
+    assert compute_score("d", rb"\boxed{4}", "4")["acc"]
+    assert compute_score("d", r"\boxed{4}", "")["grade_status"] == "gold_error"
+    assert compute_score("d", r"\boxed{4}", "x" * (MAX_ANSWER_CHARS + 1))["grade_status"] == "too_long"
+
+
+def test_extraction_helpers():
+    assert last_boxed(r"\boxed{a{b}c} and \boxed{\frac{1}{2}}")[0] == r"\frac{1}{2}"
+    assert last_boxed(r"\boxed{\{x\}}")[0] == r"\{x\}"
+    assert extract_answer("Answer: **42**")[0] == "42"
+    assert extract_answer("nothing here") == (None, "no_answer")
+    assert normalize_for_vote(r"\dfrac{1}{2}") == normalize_for_vote(r"\frac{1}{2}") == r"\frac{1}{2}"
+    assert normalize_for_vote(r"\left( 1, 2 \right)") == "(1,2)"
+    assert normalize_for_vote(r"10\text{ cm}") == "10cm"
+    assert normalize_for_vote(None) == ""
+
+
+def test_hard_kill_when_soft_alarm_cannot_fire():
+    # with math-verify's alarms disabled the power tower never returns (C-level bigint work holding the GIL):
+    # only the wall-clock kill ends it, and the pool keeps working afterwards
+    pool = GraderPool(max_workers=1)
+    try:
+        assert pool.grade("5", "5", timeout_s=30) == (True, "ok")
+        pid = pool.worker_pids()[0]
+        t0 = time.monotonic()
+        assert pool.grade("5", TOWER, timeout_s=1.5, soft_timeout_s=0) == (False, "timeout")
+        assert time.monotonic() - t0 < 4
+        assert pool.n_killed == 1
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        assert pool.grade("5", "5", timeout_s=30) == (True, "ok")
+    finally:
+        pool.shutdown()
+
+
+def test_busy_pool_is_bounded():
+    pool = GraderPool(max_workers=1)
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            slow = ex.submit(pool.grade, "5", TOWER, 3.0, 600.0, 0)
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            assert pool.grade("5", "5", timeout_s=3, queue_timeout_s=0.3) == (False, "busy")
+            assert time.monotonic() - t0 < 2
+            assert slow.result() == (False, "timeout")
+    finally:
+        pool.shutdown()
+
+
+def test_threads_get_real_scores():
+    # math-verify alone raises ValueError off the main thread (-> silent zeros in naive wrappers)
+    jobs = [(rf"\boxed{{{i}}}", str(i if i % 3 else i + 1)) for i in range(24)]
+    with ThreadPoolExecutor(8) as ex:
+        outs = list(ex.map(lambda j: compute_score("d", *j), jobs))
+    assert [o["acc"] for o in outs] == [bool(i % 3) for i in range(24)]
+    assert all(o["grade_status"] == "ok" for o in outs)
+
+
+def test_async_inside_event_loop():
+    async def main():
+        coros = [compute_score_async("d", rf"\boxed{{{i}}}", str(i)) for i in range(8)]
+        # a sync call from the event-loop thread (not the main thread of a Ray async actor) must work too
+        sync_out = compute_score("d", r"\boxed{9}", "9")
+        return await asyncio.gather(*coros), sync_out
+
+    outs, sync_out = asyncio.run(main())
+    assert all(o["acc"] for o in outs) and sync_out["acc"]
+
+
+def test_batch_matches_single_calls():
+    responses = [r for r, *_ in CASES if r is None or len(r) < 1000]
+    golds = [g for r, g, *_ in CASES if r is None or len(r) < 1000]
+    batch = compute_scores_batch(None, responses, golds, num_workers=2, timeout_s=4)
+    single = [compute_score("d", r, g, timeout_s=4) for r, g in zip(responses, golds, strict=True)]
+    assert [b["acc"] for b in batch] == [s["acc"] for s in single]
+    assert [b["pred"] for b in batch] == [s["pred"] for s in single]
+    with pytest.raises(ValueError, match="len\\(ground_truths\\)"):
+        compute_scores_batch(None, ["a"], ["1", "2"])
+
+
+def test_inline_matches_pool():
+    for r, g, acc, status, _ in CASES:
+        if status in ("ok", "no_answer") and (r is None or len(r) < 1000):
+            assert compute_score_inline("d", r, g)["acc"] is acc
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_fork_child_builds_its_own_pool():
+    parent_pool = get_pool()
+    assert compute_score("d", r"\boxed{2}", "2")["acc"]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: must not reuse the parent's workers
+        try:
+            ok = compute_score("d", r"\boxed{3}", "3")["acc"] and get_pool() is not parent_pool
+            os.write(w, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.waitpid(pid, 0)
+    assert got == b"1"
+    assert compute_score("d", r"\boxed{4}", "4")["acc"] and get_pool() is parent_pool
+
+
+def test_verl_loads_it_with_reward_kwargs():
+    """verl's own loader (pkg:// path + reward_kwargs merged into every call)."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    cfg = OmegaConf.create(
+        {
+            "reward": {
+                "custom_reward_function": {
+                    "path": "pkg://gtpo.reward.math",
+                    "name": "compute_score",
+                    "reward_kwargs": {"score_mode": "binary", "timeout_s": 5},
+                }
+            }
+        }
+    )
+    fn = get_custom_reward_fn(cfg)
+    out = fn(data_source="math", solution_str=r"\boxed{1}", ground_truth="2", extra_info={})
+    assert out["score"] == 0.0 and out["grade_status"] == "ok"
