@@ -27,11 +27,25 @@ def shared_data() -> Path:
 
 
 @pytest.fixture(scope="session")
-def ray_session():
-    """One local Ray instance for the whole test session (e2e tests and Ray-based reward tests share it)."""
+def ray_cluster(tmp_path_factory):
+    """The session's one Ray cluster: a local head shared by the end-to-end runs and the Ray-based tests."""
+    from tests.e2e_support import RayCluster
+
+    temp_dir = tmp_path_factory.mktemp("ray") / "t"
+    temp_dir.mkdir()
+    head = RayCluster(temp_dir)
+    head.start()
+    yield head
+    head.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_session(ray_cluster):
+    """This test process connected, as a Ray driver, to the session's cluster."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=16, num_gpus=1, include_dashboard=False, log_to_driver=True)
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        ray.init(address=ray_cluster.address, log_to_driver=False)
     yield ray
-    # Left running until the interpreter exits: other session-scoped users may still need it.
+    ray.shutdown()

@@ -1,5 +1,5 @@
-"""CPU backend pieces without Ray: the tiny offline fixture, the cpu platform, the hf rollout sampler/server, the
-fast-poll replay buffer and the environment helper.
+"""CPU backend pieces without Ray: the tiny offline fixture, the cpu platform, the hf rollout sampler/server and
+the environment helper.
 
 Run: ``.venv/bin/pytest -q tests/test_cpu_backend.py``  (builds the fixture into ``$GTPO_CACHE_DIR`` or
 ``~/.cache/gtpo/tiny`` on first use, ~7 s; afterwards the file runs in ~15 s).
@@ -431,62 +431,7 @@ def test_rollout_registered_in_verl():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# replay buffer and environment
-
-
-class _FakeTrainer:
-    """Just enough of PPOTrainer for FastPollReplayBuffer to recover the built-in keyword arguments."""
-
-    def __init__(self, filter_metric):
-        from omegaconf import OmegaConf
-
-        self.filter_metric = filter_metric
-        self.config = OmegaConf.create(
-            {
-                "trainer": {"v1": {"sampler": {"sync_refill_failed_groups": False}}},
-                "data": {"train_batch_size": 6, "gen_batch_size": None},
-                "algorithm": {"filter_groups": {"max_inflight_gen_batches": 3}},
-            }
-        )
-
-    def _resolve_filter_groups_metric(self):
-        return self.filter_metric
-
-    def _add_prompts_to_generate(self, n):
-        return n
-
-
-def _rb_kwargs(mode, refill_fn=None, sampler_kwargs=None):
-    return dict(
-        trainer_mode=mode,
-        trainer_config={},
-        max_off_policy_threshold=8,
-        max_off_policy_strategy="drop",
-        sampler_kwargs=sampler_kwargs or {},
-        refill_fn=refill_fn,
-    )
-
-
-def test_fast_poll_replay_buffer():
-    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
-
-    from gtpo.cpu.replay import FastPollReplayBuffer
-
-    rb = FastPollReplayBuffer(**_rb_kwargs("sync"))
-    assert isinstance(rb, ReplayBuffer) and not isinstance(rb, ReplayBufferAsync) and rb.poll_interval == 0.05
-    rb = FastPollReplayBuffer(**_rb_kwargs("colocate_async", sampler_kwargs={"poll_interval": 0.2}))
-    assert isinstance(rb, ReplayBufferAsync) and rb.poll_interval == 0.2
-    # DAPO settings the trainer withholds from custom samplers are recovered from the trainer
-    trainer = _FakeTrainer("acc")
-    rb = FastPollReplayBuffer(**_rb_kwargs("sync", refill_fn=trainer._add_prompts_to_generate))
-    assert (rb.filter_groups_metric, rb.train_batch_size, rb.gen_batch_size, rb.max_inflight_gen_batches) == (
-        "acc", 6, 1, 3
-    )  # fmt: skip
-    trainer = _FakeTrainer(None)
-    rb = FastPollReplayBuffer(**_rb_kwargs("sync", refill_fn=trainer._add_prompts_to_generate))
-    assert (rb.filter_groups_metric, rb.gen_batch_size, rb.max_inflight_gen_batches) == (None, 6, 1)
-    with pytest.raises(ValueError, match="poll_interval=0.0"):
-        FastPollReplayBuffer(**_rb_kwargs("sync", sampler_kwargs={"poll_interval": 0}))
+# environment
 
 
 def test_env_helper():

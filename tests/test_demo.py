@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from gtpo.cpu import demo
+from tests.e2e_support import run_recipe, tail
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -246,36 +247,14 @@ E2E_STEPS = 50
 E2E_WINDOW = 5
 
 
-@pytest.fixture(scope="module")
-def demo_cluster(request, tmp_path_factory):
-    """The session's shared Ray cluster when the harness provides one, else one for this module."""
-    try:
-        shared = request.getfixturevalue("ray_cluster")
-    except pytest.FixtureLookupError:
-        shared = None
-    if shared is not None:
-        yield shared
-        return
-    from e2e_support import RayCluster
-
-    cluster = RayCluster(tmp_path_factory.mktemp("demo_ray") / "t")
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
 @pytest.mark.e2e
-def test_demo_learns(demo_cluster, assets, tmp_path):
+def test_demo_learns(ray_cluster, assets, tmp_path):
     """GTPO (the demo's default) through verl's trainer: the mean reward of the last steps clearly beats the first."""
-    from e2e_support import run_recipe, tail
-
     overrides = [
         *demo.method_overrides("gtpo"),
         *demo.demo_overrides(assets, E2E_STEPS, 0, tmp_path / "rollouts", method="gtpo"),
     ]
-    result = run_recipe(demo_cluster, tmp_path, overrides, timeout=420, name="demo")
+    result = run_recipe(ray_cluster, tmp_path, overrides, timeout=420, name="demo")
     assert result.returncode == 0, tail(result.log)
     rewards = [v for _, v in demo.load_rewards(tmp_path / "demo.metrics.jsonl")]
     assert len(rewards) == E2E_STEPS, tail(result.log)

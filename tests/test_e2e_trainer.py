@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from tests.e2e_support import REPO_ROOT, RayCluster, run_recipe, tail
+from tests.e2e_support import REPO_ROOT, run_recipe, tail
 
 pytestmark = pytest.mark.e2e
 
@@ -21,20 +21,15 @@ COIN_REWARD = REPO_ROOT / "tests" / "assets" / "coin_reward.py"
 
 
 @pytest.fixture(scope="session")
-def tiny_assets(tmp_path_factory):
+def tiny_assets():
     from gtpo.cpu.tiny_assets import build_tiny_assets
 
     return build_tiny_assets()
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
-    temp_dir = tmp_path_factory.mktemp("ray") / "t"  # Ray wants a short temp path
-    temp_dir.mkdir()
-    head = RayCluster(temp_dir)
-    head.start()
-    yield head
-    head.stop()
+def cluster(ray_cluster):
+    return ray_cluster
 
 
 def base_overrides(assets) -> list[str]:
@@ -106,13 +101,23 @@ def test_gtpo_traj_two_steps(cluster, tiny_assets, tmp_path):
     assert {"gtpo_traj/conflict_token_frac", "gtpo_traj/filtered_traj_frac", "gtpo_traj/h_ini"} <= keys
 
 
+# The overlong buffer must fit inside the tiny 16-token responses for the shaping to be exercised.
+DAPO_TINY = ["reward.reward_kwargs.overlong_buffer_cfg.len=4"]
+
+
 def test_dapo_two_steps(cluster, tiny_assets, tmp_path):
-    result = run_recipe(cluster, tmp_path, base_overrides(tiny_assets) + ["method=dapo"])
+    result = run_recipe(cluster, tmp_path, base_overrides(tiny_assets) + ["method=dapo", *DAPO_TINY])
     assert_ran(result, steps=2)
+    # dynamic sampling ran (verl's filter with the recipe's round limit)
+    assert result.series("training/filter_groups/num_gen_batches"), "no generation-round metric logged"
 
 
 def test_dapo_forking_two_steps(cluster, tiny_assets, tmp_path):
-    result = run_recipe(cluster, tmp_path, base_overrides(tiny_assets) + ["method=dapo_forking"])
+    # fp32 actor: a random model's entropies sit near ln|V| and bf16 would round most of them into ties, which the
+    # paper's I[H >= tau] selects together; in fp32 they are distinct, so the selected share is ceil(rho * n) / n.
+    fp32 = "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
+    result = run_recipe(cluster, tmp_path, base_overrides(tiny_assets) + ["method=dapo_forking", *DAPO_TINY, fp32])
     assert_ran(result, steps=2)
     fracs = result.series("actor/forking/selected_token_frac")
-    assert fracs and all(0.0 < f <= 0.5 for f in fracs), fracs
+    assert fracs and all(0.2 <= f <= 0.3 for f in fracs), fracs
+    assert result.series("actor/forking/entropy_threshold")

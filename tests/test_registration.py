@@ -45,18 +45,24 @@ def test_name_clash_is_rejected():
             raise AssertionError
 
 
-def _probe_loss_modes(names):
-    """Runs in a Ray worker: which loss modes does verl know after ``import verl``?"""
+def _probe_registries(names):
+    """Runs in a Ray worker: which loss modes, estimators and trainer modes does verl know after ``import verl``?"""
     import verl  # noqa: F401  (runs verl's plugin hooks)
-    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
+    from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
 
     found = {}
-    for name in names:
-        try:
-            get_policy_loss_fn(name)
-            found[name] = True
-        except ValueError:
-            found[name] = False
+    for kind, lookup in (
+        ("loss", get_policy_loss_fn),
+        ("estimator", get_adv_estimator_fn),
+        ("trainer", get_trainer_cls),
+    ):
+        for name in names[kind]:
+            try:
+                lookup(name)
+                found[f"{kind}:{name}"] = True
+            except (ValueError, KeyError):
+                found[f"{kind}:{name}"] = False
     return found
 
 
@@ -77,9 +83,17 @@ def test_registration_reaches_ray_workers(ray_session, env, expect_recipe_loss):
         raise AssertionError
 
     ray = ray_session
-    probe = ray.remote(num_cpus=0)(_probe_loss_modes).options(runtime_env={"env_vars": env})
-    found = ray.get(probe.remote(["grpo_s", "gtpo_test_driver_only", "vanilla"]), timeout=180)
+    # A stock worker environment: the session cluster's CPU platform selection is not part of this question.
+    env = {**env, "VERL_PLATFORM": ""}
+    probe = ray.remote(num_cpus=0)(_probe_registries).options(runtime_env={"env_vars": env})
+    names = {
+        "loss": ["grpo_s", "gtpo_test_driver_only", "vanilla"],
+        "estimator": ["gtpo", "grpo_s", "gtpo_traj", "grpo"],
+        "trainer": ["gtpo_sync", "sync"],
+    }
+    found = ray.get(probe.remote(names), timeout=180)
 
-    assert found["vanilla"], "verl's own losses must always be there"
-    assert not found["gtpo_test_driver_only"], "a loss registered only in the driver must not exist in a worker"
-    assert found["grpo_s"] is expect_recipe_loss
+    assert found["loss:vanilla"] and found["estimator:grpo"] and found["trainer:sync"], "verl's own entries"
+    assert not found["loss:gtpo_test_driver_only"], "a loss registered only in the driver must not exist in a worker"
+    recipe = ["loss:grpo_s", "estimator:gtpo", "estimator:grpo_s", "estimator:gtpo_traj", "trainer:gtpo_sync"]
+    assert {key: found[key] for key in recipe} == dict.fromkeys(recipe, expect_recipe_loss)

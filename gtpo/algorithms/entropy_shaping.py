@@ -197,6 +197,7 @@ def validate_shaping_inputs(
     negative_base: str,
     neg_entropy_tol: float,
     reward_offset: torch.Tensor | None = None,
+    check_tokens: bool = True,
 ) -> None:
     """Raise ``ValueError`` naming the problem if the inputs cannot be shaped.
 
@@ -210,6 +211,9 @@ def validate_shaping_inputs(
         num_groups: ``NG``.
         reward_threshold, negative_base, neg_entropy_tol: from the params.
         reward_offset: optional ``[B]`` finite additive reward (e.g. GROP penalty).
+        check_tokens: also check the ``[B, L]`` values (mask in {0, 1}, entropy finite and >= -neg_entropy_tol on
+            valid tokens). The fast estimators pass False and run the same checks chunk by chunk, calling this
+            function with True only to raise the precise error.
     """
     if not isinstance(entropy, torch.Tensor) or entropy.dim() != 2:
         raise ValueError(f"entropy must be a [batch, response_len] tensor, got {_shape(entropy)}")
@@ -230,23 +234,8 @@ def validate_shaping_inputs(
         raise ValueError(f"num_groups={num_groups!r}: must be a non-negative int")
     if b > 0 and (int(gid.min()) < 0 or int(gid.max()) >= num_groups):
         raise ValueError(f"gid values must lie in [0, {num_groups - 1}], got [{int(gid.min())}, {int(gid.max())}]")
-    if response_mask.dtype != torch.bool and bool(((response_mask != 0) & (response_mask != 1)).any()):
-        raise ValueError("response_mask must hold only 0 and 1")
-    valid = response_mask.bool()
-    if valid.shape[-1] and bool(valid.any()):
-        h = entropy.detach()
-        n_nan = int((torch.isnan(h) & valid).sum())
-        if n_nan:
-            raise ValueError(f"entropy holds NaN on {n_nan} valid token(s)")
-        n_inf = int((torch.isinf(h) & valid).sum())
-        if n_inf:
-            raise ValueError(f"entropy holds inf on {n_inf} valid token(s)")
-        lowest = float(torch.where(valid, h, math.inf).min())
-        if lowest < -neg_entropy_tol:
-            raise ValueError(
-                f"entropy holds negative value {lowest:.6g} on a valid token (below -neg_entropy_tol="
-                f"{-neg_entropy_tol:g}); entropy is >= 0, were log-probs passed instead?"
-            )
+    if check_tokens:
+        _check_token_values(entropy, response_mask, neg_entropy_tol)
     r = rewards.detach().to(torch.float64)
     if not bool(torch.isfinite(r).all()):
         raise ValueError(f"rewards must be finite, got {int((~torch.isfinite(r)).sum())} NaN/inf sequence reward(s)")
@@ -268,6 +257,27 @@ def validate_shaping_inputs(
             raise ValueError(f"reward_offset must have shape [{b}], got {_shape(reward_offset)}")
         if not bool(torch.isfinite(reward_offset.detach()).all()):
             raise ValueError("reward_offset must be finite")
+
+
+def _check_token_values(entropy: torch.Tensor, response_mask: torch.Tensor, neg_entropy_tol: float) -> None:
+    """The ``[B, L]`` value checks of :func:`validate_shaping_inputs` (mask in {0, 1}; entropy on valid tokens)."""
+    if response_mask.dtype != torch.bool and bool(((response_mask != 0) & (response_mask != 1)).any()):
+        raise ValueError("response_mask must hold only 0 and 1")
+    valid = response_mask.bool()
+    if valid.shape[-1] and bool(valid.any()):
+        h = entropy.detach()
+        n_nan = int((torch.isnan(h) & valid).sum())
+        if n_nan:
+            raise ValueError(f"entropy holds NaN on {n_nan} valid token(s)")
+        n_inf = int((torch.isinf(h) & valid).sum())
+        if n_inf:
+            raise ValueError(f"entropy holds inf on {n_inf} valid token(s)")
+        lowest = float(torch.where(valid, h, math.inf).min())
+        if lowest < -neg_entropy_tol:
+            raise ValueError(
+                f"entropy holds negative value {lowest:.6g} on a valid token (below -neg_entropy_tol="
+                f"{-neg_entropy_tol:g}); entropy is >= 0, were log-probs passed instead?"
+            )
 
 
 def _shape(x) -> str:
@@ -473,6 +483,45 @@ def gtpo_token_advantages(
 
     Raises:
         ValueError: on bad inputs (see :func:`validate_shaping_inputs`) or a missing ``responses``.
+    """
+    params = params or GTPOParams()
+    validate_shaping_inputs(
+        entropy,
+        response_mask,
+        rewards,
+        gid,
+        num_groups,
+        reward_threshold=params.reward_threshold,
+        negative_base=params.negative_base,
+        neg_entropy_tol=params.neg_entropy_tol,
+        reward_offset=reward_offset,
+        check_tokens=False,
+    )
+    if params.conflict_mask:
+        if responses is None:
+            raise ValueError("conflict_mask=True needs the response token ids (responses), got None")
+        if not isinstance(responses, torch.Tensor) or tuple(responses.shape) != tuple(response_mask.shape):
+            raise ValueError(
+                f"responses shape {_shape(responses)} does not match response_mask {tuple(response_mask.shape)}"
+            )
+    b, length = entropy.shape
+    if b == 0 or length == 0 or num_groups == 0:
+        return _gtpo_token_advantages_reference(
+            entropy, response_mask, rewards, gid, num_groups, params, reward_offset, responses
+        )
+    from gtpo.algorithms._gtpo_fast import gtpo_fast
+
+    return gtpo_fast(entropy, response_mask, rewards, gid, num_groups, params, reward_offset, responses)
+
+
+@torch.no_grad()
+def _gtpo_token_advantages_reference(
+    entropy, response_mask, rewards, gid, num_groups, params=None, reward_offset=None, responses=None
+):
+    """Direct float64 evaluation of :func:`gtpo_token_advantages` (about 100 passes over ``[B, L]``).
+
+    The estimator uses the chunked evaluation of :mod:`gtpo.algorithms._gtpo_fast`; this version stays as the
+    readable reference (same arguments and results up to float32 rounding) and handles empty batches.
     """
     params = params or GTPOParams()
     validate_shaping_inputs(

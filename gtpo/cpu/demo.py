@@ -576,7 +576,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     out = Path(args.out or REPO_ROOT / "outputs" / "cpu_demo" / args.method).expanduser().resolve()
-    out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     rollout_dir = out / "rollouts"
     log_path = out / "train.log"
@@ -592,8 +591,8 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(cmd))
         return 0
 
-    for stale in (metrics_path,):
-        stale.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path.unlink(missing_ok=True)
     if rollout_dir.is_dir():
         shutil.rmtree(rollout_dir)
     print(f"[demo] method={args.method} steps={args.steps} seed={args.seed}; trainer log: {log_path}", flush=True)

@@ -70,7 +70,16 @@ class GTPOTrainerSync(PPOTrainerSync):
             raise ValueError(f"trainer.v1.trainer_mode={value!r} selects another trainer than {TRAINER_MODE}")
 
     def _build_replay_buffer(self):
-        return bound_generation_rounds(super()._build_replay_buffer(), self.config.algorithm)
+        buffer = super()._build_replay_buffer()
+        # verl's ReplayBuffer polls TransferQueue every 2 s with no config key; a step whose generation takes less
+        # (the CPU backend, small debug runs) would wait for nothing. trainer.v1.sampler.sampler_kwargs.poll_interval
+        # sets it (verl stores sampler_kwargs on the buffer but does not read this key).
+        poll_interval = self.config.trainer.v1.sampler.get("sampler_kwargs", {}).get("poll_interval", None)
+        if poll_interval is not None:
+            if not float(poll_interval) > 0:
+                raise ValueError(f"trainer.v1.sampler.sampler_kwargs.poll_interval={poll_interval!r}: must be > 0 s")
+            buffer.poll_interval = float(poll_interval)
+        return bound_generation_rounds(buffer, self.config.algorithm)
 
     def on_init_end(self):
         super().on_init_end()

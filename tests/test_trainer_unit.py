@@ -1,0 +1,109 @@
+"""The gtpo_sync trainer's own logic, without Ray: its mode, its replay buffer, and its advantage step.
+
+    .venv/bin/python -m pytest -q tests/test_trainer_unit.py
+"""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.test_configs import compose
+
+
+def make_trainer(overrides: list[str]):
+    """A GTPOTrainerSync with its config set but no workers (enough for the replay buffer and the mode)."""
+    import gtpo.verl_plugin.register  # noqa: F401
+    from gtpo.verl_plugin.trainer import GTPOTrainerSync
+
+    trainer = GTPOTrainerSync.__new__(GTPOTrainerSync)
+    trainer.config = compose(overrides)
+    OmegaConf.resolve(trainer.config)
+    trainer.trainer_mode = trainer.config.trainer.v1.trainer_mode
+    return trainer
+
+
+def test_registered_under_its_own_name_but_runs_as_sync():
+    from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    trainer = make_trainer([])
+    assert get_trainer_cls("gtpo_sync") is type(trainer)
+    assert isinstance(trainer, PPOTrainerSync)
+    # verl's base class branches on the literal "sync" (replay buffer class, dataloader refill, checkpoints).
+    assert trainer.trainer_mode == "sync"
+    with pytest.raises(ValueError, match="trainer_mode='colocate_async'"):
+        trainer.trainer_mode = "colocate_async"
+
+
+def test_replay_buffer_is_verl_sync_buffer_with_dapo_settings():
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
+
+    from gtpo.verl_plugin.dynamic_sampling import BoundedDapoReplayBuffer
+
+    plain = make_trainer(["method=gtpo", "algorithm.filter_groups.enable=false"])._build_replay_buffer()
+    assert type(plain) is ReplayBuffer and not isinstance(plain, ReplayBufferAsync)
+    assert plain.poll_interval == 2.0 and plain.filter_groups_metric is None
+
+    dapo = make_trainer(["method=dapo", "backend=cpu_tiny"])._build_replay_buffer()
+    assert isinstance(dapo, BoundedDapoReplayBuffer)
+    assert dapo.filter_groups_metric == "acc" and dapo.max_num_gen_batches == 10
+    # the CPU preset's faster poll survives the round-limit wrapper
+    assert dapo.poll_interval == 0.05
+
+
+def test_bad_poll_interval_is_rejected():
+    trainer = make_trainer(["backend=cpu_tiny", "trainer.v1.sampler.sampler_kwargs.poll_interval=0"])
+    with pytest.raises(ValueError, match=r"poll_interval=0"):
+        trainer._build_replay_buffer()
+
+
+def test_advantage_step_feeds_entropy_and_tokens_and_skips_padding_rows():
+    """The recipe path: the estimator gets entropy, token ids and a metrics dict; verl's padding rows stay out."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    from tensordict import TensorDict
+    from verl.protocol import DataProto
+
+    from gtpo.verl_plugin.entropy_shaping import compute_gtpo_advantage
+
+    trainer = make_trainer(["method=gtpo", "algorithm.gtpo.conflict_mask=true"])
+    trainer.global_steps = 3
+    gen = torch.Generator().manual_seed(0)
+    rows, length = 9, 6
+    mask = (torch.arange(length)[None, :] < torch.tensor([6, 3, 5, 6, 2, 4, 6, 6, 1])[:, None]).float()
+    mask[-1] = 0.0  # verl's synthetic padding row has an all-zero response mask
+    rewards = torch.zeros(rows, length)
+    last = (mask.sum(-1) - 1).clamp(min=0).long()
+    rewards[torch.arange(rows), last] = torch.tensor([1.0, -1, 1, -1, -1, 1, 1, -1, 0.0])
+    entropy = torch.rand(rows, length, generator=gen) * 3 + 0.1
+    responses = torch.randint(0, 4, (rows, length), generator=gen)
+    uid = np.array(["a", "b", "a", "b", "a", "b", "c", "c", "pad"], dtype=object)
+    data = DataProto(
+        batch=TensorDict(
+            {"token_level_rewards": rewards, "response_mask": mask, "entropy": entropy, "responses": responses},
+            batch_size=rows,
+        ),
+        non_tensor_batch={"uid": uid},
+    )
+    batch = SimpleNamespace(tags=[{}] * (rows - 1) + [{"is_padding": True}])
+    metrics: dict = {}
+    advantages, returns = trainer._recipe_advantages(data, batch, metrics)
+
+    expected_metrics: dict = {}
+    expected, _ = compute_gtpo_advantage(
+        token_level_rewards=rewards[:-1],
+        response_mask=mask[:-1],
+        index=uid[:-1],
+        config=trainer.config.algorithm,
+        entropy=entropy[:-1],
+        responses=responses[:-1],
+        metrics=expected_metrics,
+    )
+    torch.testing.assert_close(advantages[:-1], expected)
+    assert torch.count_nonzero(advantages[-1]) == 0 and torch.count_nonzero(returns[-1]) == 0
+    assert torch.count_nonzero(advantages * (1 - mask)) == 0, "padding positions must stay zero"
+    assert metrics == expected_metrics
+    assert "gtpo/conflict_token_frac" in metrics and metrics["gtpo/frac_groups_all_wrong"] == 0.0
