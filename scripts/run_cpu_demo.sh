@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU demo: verl's real trainer teaches a random tiny model `say <d>` -> `<d>` by RL on a machine without GPU.
 #
-#   bash scripts/run_cpu_demo.sh                      # GTPO, 150 steps, outputs/cpu_demo/gtpo/
+#   bash scripts/run_cpu_demo.sh                      # GTPO, 100 steps, outputs/cpu_demo/gtpo/
 #   bash scripts/run_cpu_demo.sh --method grpo        # the GRPO baseline, same task and settings
 #   bash scripts/run_cpu_demo.sh --steps 60 -- actor_rollout_ref.actor.optim.lr=2e-3   # Hydra overrides after --
 #

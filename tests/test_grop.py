@@ -1,4 +1,4 @@
-"""GROP length penalty (arXiv 2508.04349 v6, App. D; ALGORITHMS.md §5): cases, knee, penalty shape, loop reference.
+"""GROP length penalty (arXiv 2508.04349 v6, App. D; docs/ALGORITHMS.md §5): cases, knee, penalty shape, loop reference.
 
 Run: cd /work/main && .venv/bin/pytest -q tests/test_grop.py
 """
@@ -21,7 +21,7 @@ def _one_group(lengths, correct, gamma1=0.75):
 
 
 def _reference(lengths, correct, labels, gamma1):
-    """Per-group Python transcription of App. D (ALGORITHMS.md §5 pseudo-code)."""
+    """Per-group Python transcription of App. D (docs/ALGORITHMS.md §5 pseudo-code)."""
     out = [0.0] * len(lengths)
     for g in set(labels):
         rows = [i for i in range(len(lengths)) if labels[i] == g]

@@ -1,4 +1,4 @@
-"""GRPO-S (arXiv 2508.04349, ALGORITHMS.md §4): claims A2-T1..T4 of §8.2, worked values, edge cases, loss math.
+"""GRPO-S (arXiv 2508.04349, docs/ALGORITHMS.md §4): claims A2-T1..T4 of §8.2, worked values, edge cases, loss math.
 
 Run: cd /work/main && .venv/bin/pytest -q tests/test_grpo_s.py
 """

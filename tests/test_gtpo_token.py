@@ -1,4 +1,4 @@
-"""GTPO-token (arXiv 2508.04349, Eq. 3/5/6): claims A1-T1..T9 of ALGORITHMS.md §8.1, worked values, edge cases.
+"""GTPO-token (arXiv 2508.04349, Eq. 3/5/6): claims A1-T1..T9 of docs/ALGORITHMS.md §8.1, worked values, edge cases.
 
 Run: cd /work/main && .venv/bin/pytest -q tests/test_gtpo_token.py
 """
@@ -116,7 +116,7 @@ def _ppo_token_mean_loss(logp, old_logp, adv, mask, lo=0.2, hi=0.28):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# worked examples (textpolicy's cases, ALGORITHMS.md §3.8 / §8.1)
+# worked examples (textpolicy's cases, docs/ALGORITHMS.md §3.8 / §8.1)
 
 
 def test_worked_example_mixed_group():
@@ -435,7 +435,7 @@ def test_row_order_does_not_matter():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# edge cases (ALGORITHMS.md §3.6)
+# edge cases (docs/ALGORITHMS.md §3.6)
 
 
 def test_all_correct_group_gets_entropy_rank_signal():

@@ -1,6 +1,6 @@
 """The gtpo_sync trainer's own logic, without Ray: its mode, its replay buffer, and its advantage step.
 
-    .venv/bin/python -m pytest -q tests/test_trainer_unit.py
+.venv/bin/python -m pytest -q tests/test_trainer_unit.py
 """
 
 from __future__ import annotations

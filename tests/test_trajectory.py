@@ -2,7 +2,7 @@
 
 Run: cd /work/main && .venv/bin/pytest -q tests/test_trajectory.py
 
-Claims B-T1..B-T7 of ALGORITHMS.md §8.3; conflict detection against a slow loop transcription of §6.2.
+Claims B-T1..B-T7 of docs/ALGORITHMS.md §8.3; conflict detection against a slow loop transcription of §6.2.
 """
 
 from __future__ import annotations

@@ -96,11 +96,14 @@ class _Checker:
         _check_token_values(self.entropy, self.mask, self.tol)
         raise ValueError("entropy / response_mask failed a consistency check")  # pragma: no cover
 
-    def masked_entropy(self, h, mf, lens):
-        """``h`` masked to the valid tokens (in place when safe), negatives within tolerance clamped to 0.
+    def masked_entropy(self, h, mf, lens, inplace=True):
+        """``h`` masked to the valid tokens (in place if ``inplace``), negatives within tolerance clamped to 0.
 
-        Returns ``(hm, hsum)``, ``hsum`` the row sums before clamping (the reference's entropy diagnostics).
+        Returns ``(hm, hsum, clamped)``: ``hsum`` the row sums before clamping (the reference's entropy
+        diagnostics), ``clamped`` whether any negative value was clamped.
         """
+        if h.numel() == 0:
+            return h, h.sum(-1), False
         checks = [*torch.aminmax(h)]
         if not self.mask_is_bool:
             checks += [*torch.aminmax(mf), (torch.linalg.vecdot(mf, mf) - lens).abs().max()]
@@ -108,8 +111,8 @@ class _Checker:
         if not self.mask_is_bool and not (vals[2] >= 0.0 and vals[3] <= 1.0 and vals[4] == 0.0):
             self.fail()
         if vals[0] >= 0.0 and math.isfinite(vals[1]):
-            hm = h.mul_(mf)
-            return hm, hm.sum(-1)
+            hm = h.mul_(mf) if inplace else h * mf
+            return hm, hm.sum(-1), False
         # padding may hold anything (NaN, inf, negatives): select instead of multiplying
         hm = torch.where(mf != 0, h, torch.zeros((), dtype=h.dtype, device=h.device))
         lo, hi = torch.aminmax(hm)
@@ -119,7 +122,7 @@ class _Checker:
         hsum = hm.sum(-1)
         if lo < 0:
             hm.clamp_min_(0.0)
-        return hm, hsum
+        return hm, hsum, lo < 0
 
 
 def _finish_rows(adv, mf, beta, gamma, lam_rows):
@@ -214,7 +217,7 @@ def gtpo_fast(entropy, response_mask, rewards, gid, num_groups, params, reward_o
         mk = mask.index_select(0, rows)
         mf = mk if mk.dtype == _F32 else mk.to(_F32)
         lens = mf.sum(-1)
-        val, hsum = checker.masked_entropy(h, mf, lens)
+        val, hsum, _ = checker.masked_entropy(h, mf, lens)
         # Eq. 5 weighs incorrect tokens by 1/(H + eps); padding stays 0 (the mask is the numerator)
         if npos < r1 - r0:
             vn = val[npos:]
@@ -249,8 +252,7 @@ def gtpo_fast(entropy, response_mask, rewards, gid, num_groups, params, reward_o
             idx = torch.nonzero(mixed, as_tuple=True)[0]
             xs = w[idx] * (sc[idx] * a2).to(_F32)[:, None] + (a1 * bc[idx]).to(_F32)[:, None]
             absr[idx] = (xs.mul_(mf[idx])).abs_().sum(-1).to(_F64)
-        st = {"lens": lens64, "hsum": hsum.to(_F64), "sw": sw, "wmax": wmax, "k": k.to(_F64), "ssq": ssq,
-              "absr": absr}
+        st = {"lens": lens64, "hsum": hsum.to(_F64), "sw": sw, "wmax": wmax, "k": k.to(_F64), "ssq": ssq, "absr": absr}
         for n in names:
             rs[n][rows] = st[n]
         if group_scope:
@@ -324,4 +326,49 @@ def _diagnostics(rs, rdiag, correct, gid, num_groups, base, sign, a1, a2, eps, c
             "entropy_incorrect_mean": _ratio(hsum[~correct].sum(), lens[~correct].sum()),
         }
     )
+    return out
+
+
+@torch.no_grad()
+def masked_row_sums(entropy: torch.Tensor, response_mask: torch.Tensor, neg_entropy_tol: float):
+    """Checked per-row sums for the sequence-level estimators (GRPO-S): one chunked pass over ``[B, L]``.
+
+    Runs the token-value checks of ``validate_shaping_inputs`` (raising its precise error) and returns
+    ``(entropy_sum [B] float64, length [B] float64)`` over the valid tokens, negative entropies (within tolerance)
+    clamped to 0 token by token; padding is never read.
+    """
+    b, length = entropy.shape
+    device = entropy.device
+    mask = response_mask.to(device)
+    checker = _Checker(entropy, mask, float(neg_entropy_tol))
+    hsum = torch.zeros(b, dtype=_F64, device=device)
+    lens = torch.zeros(b, dtype=_F64, device=device)
+    step = max(1, (CUDA_CHUNK_TOKENS if device.type == "cuda" else CPU_CHUNK_TOKENS) // max(length, 1))
+    for r0 in range(0, b, step):
+        r1 = min(b, r0 + step)
+        h = entropy[r0:r1].detach()
+        own = h.dtype != _F32
+        h = h.to(_F32) if own else h
+        mk = mask[r0:r1]
+        mf = mk if mk.dtype == _F32 else mk.to(_F32)
+        ln = mf.sum(-1)
+        hm, hs, clamped = checker.masked_entropy(h, mf, ln, inplace=own)
+        hsum[r0:r1] = (hm.sum(-1) if clamped else hs).to(_F64)
+        lens[r0:r1] = ln.to(_F64)
+    return hsum, lens
+
+
+@torch.no_grad()
+def broadcast_rows(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``values[:, None] * mask`` as float32 ``[B, L]`` (one pass; the mask may be bool, int or float)."""
+    mask = response_mask.to(values.device)
+    v = values.to(_F32)[:, None]
+    if mask.dtype == _F32:
+        return mask * v
+    out = torch.empty(mask.shape, dtype=_F32, device=mask.device)
+    b, length = mask.shape
+    step = max(1, (CUDA_CHUNK_TOKENS if mask.device.type == "cuda" else CPU_CHUNK_TOKENS) // max(length, 1))
+    for r0 in range(0, b, step):
+        r1 = min(b, r0 + step)
+        torch.mul(mask[r0:r1].to(_F32), v[r0:r1], out=out[r0:r1])
     return out

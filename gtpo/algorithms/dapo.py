@@ -1,4 +1,4 @@
-"""DAPO pieces as pure reference functions (DAPO, arXiv 2503.14476, §3.4 and §4.1; ALGORITHMS.md §7.2).
+"""DAPO pieces as pure reference functions (DAPO, arXiv 2503.14476, §3.4 and §4.1; docs/ALGORITHMS.md §7.2).
 
 verl 0.9.1 already provides DAPO's soft overlong punishment (``reward.reward_manager.name=dapo`` with
 ``reward.reward_kwargs.overlong_buffer_cfg``) and its group filter (``algorithm.filter_groups`` in the v1

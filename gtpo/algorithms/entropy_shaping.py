@@ -1,7 +1,7 @@
 """Entropy-shaped rewards and advantages of GTPO (token level) and GRPO-S (sequence level).
 
 Paper: Tan et al., "GTPO and GRPO-S: Token and Sequence-Level Reward Shaping with Policy Entropy",
-arXiv 2508.04349 (ALGORITHMS.md §3, §4). Equation numbers follow the paper's textpolicy numbering.
+arXiv 2508.04349 (docs/ALGORITHMS.md §3, §4). Equation numbers follow the paper's textpolicy numbering.
 
 Implemented:
 
@@ -14,9 +14,9 @@ Implemented:
   (``response_mask[:, t] == 1``; positions are absolute offsets from the response start).
 - GTPO advantages (Eq. 6): each set of shaped token rewards is whitened, ``(x - mean) / (std + eps)``.
   ``norm_mode="split"`` whitens the correct and the incorrect tokens separately (every secondary source);
-  ``norm_mode="joint"`` whitens them together (keeps the sign, ALGORITHMS.md §3.7). ``norm_scope`` picks one set per
+  ``norm_mode="joint"`` whitens them together (keeps the sign, docs/ALGORITHMS.md §3.7). ``norm_scope`` picks one set per
   group or one per batch.
-- GRPO-S shaped sequence rewards and group-normalised advantages (ALGORITHMS.md §4.1) on the masked mean token
+- GRPO-S shaped sequence rewards and group-normalised advantages (docs/ALGORITHMS.md §4.1) on the masked mean token
   entropy ``Hbar_i``, broadcast to the response's tokens.
 - Optional composition of GTPO with GTPO-trajectory conflict weights (arXiv 2508.03772, §6.2): the final token
   advantages are multiplied by ``lam`` from :func:`gtpo.algorithms.trajectory.conflict_weights`, polarity =
@@ -31,7 +31,7 @@ Deliberate choices where the sources are silent (each one a knob or documented b
   verl's GRPO): it makes GRPO-S reduce exactly to verl's GRPO (A2-T2). Over thousands of tokens the two conventions
   agree to 1e-4; ``"population"`` (textpolicy) is available.
 - Zero-variance tolerance: a whitening set whose std is ``<= zero_var_rtol * mean(|x|)`` (or that holds fewer than two
-  values) gets advantage 0 (ALGORITHMS.md §3.6 last bullet): the ε guards alone make "equal" shaped rewards differ by
+  values) gets advantage 0 (docs/ALGORITHMS.md §3.6 last bullet): the ε guards alone make "equal" shaped rewards differ by
   ~ ``a2 * eps / H``, and dividing such a spread by its own std would turn rounding into unit advantages.
 - Negative base: ``negative_base="minus_one"`` (default) uses the literal -1 of Eq. 5 for every incorrect response,
   whatever its reward (0/1 and ±1 verifiers alike); ``"reward"`` uses the incorrect response's own (negative) reward,
@@ -95,7 +95,7 @@ def _check_bool(name: str, value) -> None:
 
 @dataclass(frozen=True)
 class GTPOParams:
-    """Knobs of GTPO-token (``algorithm.gtpo``); defaults are the paper's (ALGORITHMS.md §3.5, §11).
+    """Knobs of GTPO-token (``algorithm.gtpo``); defaults are the paper's (docs/ALGORITHMS.md §3.5, §11).
 
     Attributes:
         alpha1: weight of the sequence reward (paper 1.0).
@@ -147,7 +147,7 @@ class GTPOParams:
 
 @dataclass(frozen=True)
 class GRPOSParams:
-    """Knobs of GRPO-S (``algorithm.grpo_s``); defaults are the paper's (ALGORITHMS.md §4.2, §11).
+    """Knobs of GRPO-S (``algorithm.grpo_s``); defaults are the paper's (docs/ALGORITHMS.md §4.2, §11).
 
     Attributes:
         beta1: weight of the sequence reward (paper 1.0).
@@ -297,7 +297,7 @@ def _polarity_segments(correct: torch.Tensor, gid: torch.Tensor, num_groups: int
 def active_counts(
     response_mask: torch.Tensor, correct: torch.Tensor, gid: torch.Tensor, num_groups: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group, per-position survivor counts ``d_t`` (correct) and ``h_t`` (incorrect) (ALGORITHMS.md §3.1).
+    """Per-group, per-position survivor counts ``d_t`` (correct) and ``h_t`` (incorrect) (docs/ALGORITHMS.md §3.1).
 
     Args:
         response_mask: ``[B, L]`` 0/1; a response is active at ``t`` iff ``response_mask[b, t] == 1``.
@@ -342,7 +342,7 @@ def entropy_shares(
 
     ``share+ = H / (sum_{O+_t} H + eps)`` on correct tokens; ``share- = (1/(H+eps)) / (sum_{O-_t} 1/(H+eps) + eps)`` on
     incorrect tokens. Multiplied by ``d_t`` / ``h_t`` they average to 1 over the active set (up to ε). If every
-    active correct token at ``t`` has ``H = 0``, ``share+ = 0`` there (ALGORITHMS.md §3.6); the negative side stays
+    active correct token at ``t`` has ``H = 0``, ``share+ = 0`` there (docs/ALGORITHMS.md §3.6); the negative side stays
     finite (``1/h_t`` each when all are equal).
 
     Args:
@@ -423,7 +423,7 @@ def whiten_sets(
     """Whiten ``x`` over the selected tokens of each group (or of the batch when ``gid`` is None).
 
     ``(x - mean) / (std + eps)`` on selected tokens; 0 elsewhere. A set with fewer than two tokens or with
-    ``std <= zero_var_rtol * mean|x|`` is constant and gets 0 (ALGORITHMS.md §3.3, §3.6).
+    ``std <= zero_var_rtol * mean|x|`` is constant and gets 0 (docs/ALGORITHMS.md §3.3, §3.6).
 
     Args:
         x: ``[B, L]`` values. select: ``[B, L]`` bool. gid: ``[B]`` int64 or None. num_groups: ``NG``.
@@ -457,7 +457,7 @@ def gtpo_token_advantages(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GTPO-token advantages (Eq. 3, 5, 6) with diagnostics.
 
-    Behaviour in the edge cases (ALGORITHMS.md §3.6):
+    Behaviour in the edge cases (docs/ALGORITHMS.md §3.6):
 
     - all-correct (all-wrong) group: only one polarity exists; under ``split`` (and ``joint``) its tokens get a
       non-zero entropy-rank advantage, unlike GRPO (filter such groups with DAPO dynamic sampling);
@@ -668,7 +668,7 @@ def _gtpo_diagnostics(entropy, m, correct, gid, num_groups, params, shaped, adv,
 
 @torch.no_grad()
 def sequence_entropy(entropy: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Masked mean token entropy per response, ``Hbar_i`` (ALGORITHMS.md §4.1).
+    """Masked mean token entropy per response, ``Hbar_i`` (docs/ALGORITHMS.md §4.1).
 
     Args:
         entropy: ``[B, L]``; response_mask: ``[B, L]`` 0/1.
@@ -691,7 +691,7 @@ def grpo_s_sequence_rewards(
     valid: torch.Tensor | None = None,
     reward_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """GRPO-S shaped sequence rewards (ALGORITHMS.md §4.1)::
+    """GRPO-S shaped sequence rewards (docs/ALGORITHMS.md §4.1)::
 
         r^+_i = b1 * base_i + b2 * Hbar_i / (sum_{O+} Hbar + eps) * n
         r^-_j = b1 * base_j - b2 * (1/(Hbar_j+eps)) / (sum_{O-} 1/(Hbar+eps) + eps) * m
@@ -735,7 +735,7 @@ def grpo_s_advantages(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO-S advantages ``A_i = (r^_i - mean_g) / (std_g + eps)`` per group, broadcast to the response's tokens.
 
-    Edge cases (ALGORITHMS.md §4.3): an all-correct (all-wrong) group keeps a non-zero entropy-rank advantage unless
+    Edge cases (docs/ALGORITHMS.md §4.3): an all-correct (all-wrong) group keeps a non-zero entropy-rank advantage unless
     its ``Hbar`` are all equal (then 0, as GRPO); uniform ``Hbar`` or ``beta2 = 0`` give verl GRPO's advantages (up to
     the ε in the std guard) for groups of two or more; a group with a single non-empty response gets 0; zero-length
     responses are left out of ``n``, ``m``, the sums and the group statistics, and get 0; ``Hbar = 0`` on the
@@ -763,16 +763,21 @@ def grpo_s_advantages(
         negative_base=params.negative_base,
         neg_entropy_tol=params.neg_entropy_tol,
         reward_offset=reward_offset,
+        check_tokens=False,
     )
+    from gtpo.algorithms._gtpo_fast import broadcast_rows, masked_row_sums
+
     device = entropy.device
-    m = response_mask.to(device).bool()
+    mask = response_mask.to(device)
     gid = gid.to(device=device, dtype=torch.long)
     rewards = rewards.to(device)
     if reward_offset is not None:
         reward_offset = reward_offset.to(device)
-    nonempty = m.any(-1)
+    # one chunked pass over [B, L]: token checks, masked entropy sums and lengths (= sequence_entropy)
+    hsum, lens = masked_row_sums(entropy, mask, params.neg_entropy_tol)
+    nonempty = lens > 0
     correct = rewards.detach() > params.reward_threshold
-    hbar = sequence_entropy(entropy, m)
+    hbar = hsum / lens.clamp(min=1)
     shaped = grpo_s_sequence_rewards(hbar, rewards, gid, num_groups, params, nonempty, reward_offset)
 
     mean, std, count = group_mean_std(shaped, gid, num_groups, unbiased=params.std == "unbiased", valid=nonempty)
@@ -780,7 +785,7 @@ def grpo_s_advantages(
     constant = (count <= 1) | (std <= params.zero_var_rtol * abs_mean)
     adv_seq = (shaped - mean[gid]) / (std[gid] + params.eps)
     adv_seq = torch.where(nonempty & ~constant[gid], adv_seq, 0.0)
-    adv = torch.where(m, adv_seq[:, None], 0.0)
+    adv = broadcast_rows(adv_seq, mask)
 
     # diagnostics
     p, n_ = nonempty & correct, nonempty & ~correct

@@ -1,4 +1,4 @@
-"""GROP: Group Relative Overlong Punishment (Tan et al., arXiv 2508.04349 v6, App. D; ALGORITHMS.md §5).
+"""GROP: Group Relative Overlong Punishment (Tan et al., arXiv 2508.04349 v6, App. D; docs/ALGORITHMS.md §5).
 
 Per prompt group with ``G`` responses, ``n`` correct, ``m = G - n`` incorrect, ``frac = n / G``:
 

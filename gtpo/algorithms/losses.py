@@ -1,4 +1,4 @@
-"""GRPO-S policy loss (Tan et al., arXiv 2508.04349; ALGORITHMS.md §4.1, Chinese-notes Eq. 9–10).
+"""GRPO-S policy loss (Tan et al., arXiv 2508.04349; docs/ALGORITHMS.md §4.1, Chinese-notes Eq. 9–10).
 
 Sequence importance weight: the **arithmetic** mean of the token ratios over the response's valid tokens,
 ``w_i = (1/|o_i|) sum_t exp(logp_{i,t} - logp_old_{i,t})`` (not GSPO's geometric mean). The clipped surrogate acts on

@@ -1,7 +1,7 @@
 """Forking-token selection: keep the top-rho highest-entropy tokens (DAPO w/ Forking Tokens).
 
 Paper: Wang et al., "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective Reinforcement Learning
-for LLM Reasoning", arXiv 2506.01939 v2, §5.1-5.2 (ALGORITHMS.md §7.3):
+for LLM Reasoning", arXiv 2506.01939 v2, §5.1-5.2 (docs/ALGORITHMS.md §7.3):
 
     J_HighEnt = E[ 1 / sum_{i,t} I[H_t^i >= tau_rho] * sum_{i,t} I[H_t^i >= tau_rho] * min(r A, clip(r) A) ]
 

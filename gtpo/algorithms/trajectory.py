@@ -2,7 +2,7 @@
 
 Paper: Simoni, Fontana, Rossolini, Saracino (, Mori), "GTPO: Trajectory-Based Policy Optimization in LLMs" /
 "GTPO: Stabilizing Group Relative Policy Optimization via Gradient and Entropy Control", arXiv 2508.03772
-(TACL 2026). Official code: ``winstonsmith1897/GTPO``. Specification: ALGORITHMS.md §6.
+(TACL 2026). Official code: ``winstonsmith1897/GTPO``. Specification: docs/ALGORITHMS.md §6.
 
 Implemented (one completion ``i`` of a group, verl's right-padded ``[B, L]`` layout):
 
@@ -42,7 +42,7 @@ Deliberate choices and deviations (all documented in the README's method section
    of verl's ``seq-mean-token-mean`` (a mean over all completions of the batch) by multiplying each completion's
    advantage by its group's size, which turns the batch mean into the mean over groups of per-group sums.
    ``agg="paper_mean"`` leaves the advantages unchanged (``1/G`` per group, then the mean over prompts).
-6. None of the official code's defects (ALGORITHMS.md §6.5 list) is reproduced: no reference/base model pass, no
+6. None of the official code's defects (docs/ALGORITHMS.md §6.5 list) is reproduced: no reference/base model pass, no
    debug prints, no pad-id heuristic, ordinary autograd through verl's loss (the ratio is verl's, ``exp(0) = 1``
    on-policy with ``ppo_epochs=1``).
 7. ``skip_zero_adv_groups`` zeroes the whole shaped advantage of a group whose rewards are all equal (the paper's
@@ -76,7 +76,7 @@ LN2 = math.log(2.0)
 _VARIANTS = ("paper", "code")
 _ADV_NORMS = ("std", "none")
 _AGGS = ("paper_mean", "code_sum")
-# Defaults each variant gives to the knobs left at None (ALGORITHMS.md §6.5 table).
+# Defaults each variant gives to the knobs left at None (docs/ALGORITHMS.md §6.5 table).
 _VARIANT_DEFAULTS = {
     "paper": {
         "adv_norm": "std",
@@ -99,7 +99,7 @@ _VARIANT_DEFAULTS = {
 
 @dataclasses.dataclass(frozen=True)
 class GTPOTrajParams:
-    """Knobs of ``algorithm.gtpo_traj`` (ALGORITHMS.md §6.5–6.7, §11).
+    """Knobs of ``algorithm.gtpo_traj`` (docs/ALGORITHMS.md §6.5–6.7, §11).
 
     Fields left at ``None`` take the default of ``variant`` (see ``_VARIANT_DEFAULTS``); an explicit value always
     wins. After construction every field holds a concrete value.
@@ -200,12 +200,15 @@ def _leading_runs(
             ``max_block``).
 
     Returns:
-        ``[R, L]`` bool in column layout: True where the token lies in the row's run (active rows only). Only the
-        blocks that some run reaches are ever read, so the cost is proportional to the run lengths.
+        ``(row_idx, col_idx, run_len)``: the (row, column) positions of the run tokens (column layout, active rows
+        only) and ``[R]`` int64 run lengths. Only the blocks that some run reaches are ever read, so the cost is
+        proportional to the run lengths and nothing of size ``[R, L]`` is allocated.
     """
     num_rows, length = tok.shape
     device = tok.device
-    run = torch.zeros_like(valid)
+    run_rows: list[torch.Tensor] = []
+    run_cols: list[torch.Tensor] = []
+    run_len = torch.zeros(num_rows, dtype=torch.long, device=device)
     pos_row = pol > 0
     neg_row = pol < 0
     active = pos_row | neg_row
@@ -249,10 +252,15 @@ def _leading_runs(
         seg = torch.cumprod(raw.to(torch.uint8), dim=1).bool() & alive[rows, None]
         # Write back in column layout (inside the row, so no two aligned positions share a column).
         r_idx = rows[:, None].expand(len(rows), w)
-        run[r_idx[seg], cols[seg]] = True
+        run_rows.append(r_idx[seg])
+        run_cols.append(cols[seg])
+        run_len.index_add_(0, rows, seg.sum(1))
         alive[rows] = seg[:, -1]
         start, width = end, min(2 * width, max_block)
-    return run
+    if not run_rows:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return empty, empty, run_len
+    return torch.cat(run_rows), torch.cat(run_cols), run_len
 
 
 @torch.no_grad()
@@ -268,7 +276,7 @@ def conflict_weights(
     first_block: int = 32,
     max_block: int = 4096,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Conflict-token weights of GTPO-trajectory (ALGORITHMS.md §6.2; official ``build_conflict_mask``).
+    """Conflict-token weights of GTPO-trajectory (docs/ALGORITHMS.md §6.2; official ``build_conflict_mask``).
 
     Args:
         responses: ``[B, L]`` int64 token ids, right-padded (values under the mask's zeros are ignored).
@@ -287,27 +295,51 @@ def conflict_weights(
         of the leading (forward) or trailing (backward, right-aligned) run. A group without a positive or without
         a negative completion has no conflicts.
     """
+    lam, is_conflict, _, _, _ = _conflict_parts(
+        responses, response_mask, gid, num_groups, polarity, lam_pos, lam_neg, first_block, max_block
+    )
+    return lam, is_conflict
+
+
+def _conflict_parts(responses, response_mask, gid, num_groups, polarity, lam_pos, lam_neg, first_block, max_block):
+    """:func:`conflict_weights` plus ``[B]`` int64 forward / backward run lengths and the last valid column.
+
+    ``lam`` starts as the float mask and only the run positions are rescaled (a token in both runs twice), so
+    the cost beyond one pass over the mask is proportional to the number of conflict tokens.
+    """
     _check_conflict_inputs(responses, response_mask, gid, num_groups, polarity)
     if first_block < 1 or max_block < first_block:
         raise ValueError(f"first_block={first_block}, max_block={max_block}: need 1 <= first_block <= max_block")
     device = responses.device
-    valid = response_mask.to(device=device).bool()
+    mask = response_mask.to(device=device)
+    valid = mask if mask.dtype == torch.bool else mask.bool()
     b, length = responses.shape
     if length == 0 or b == 0:
-        return torch.zeros(responses.shape, dtype=torch.float32, device=device), torch.zeros_like(valid)
+        zero = torch.zeros(b, dtype=torch.long, device=device)
+        return (
+            torch.zeros(responses.shape, dtype=torch.float32, device=device),
+            torch.zeros_like(valid),
+            zero,
+            zero,
+            zero - 1,
+        )
     pol = polarity.to(device=device, dtype=torch.int8)
     gid = gid.to(device=device, dtype=torch.long)
     # Index of each row's last valid token (-1 for an empty row); the backward run is right-aligned on it.
-    last = (length - 1) - valid.flip(1).to(torch.uint8).argmax(dim=1)
-    last = torch.where(valid.any(dim=1), last, torch.full_like(last, -1))
+    last = (length - 1) - valid.view(torch.uint8).flip(1).argmax(dim=1)
+    last = torch.where(valid[torch.arange(b, device=device), last], last, torch.full_like(last, -1))
 
-    fwd = _leading_runs(responses, valid, gid, pol, None, first_block, max_block)
-    bwd = _leading_runs(responses, valid, gid, pol, last, first_block, max_block)
+    f_rows, f_cols, f_len = _leading_runs(responses, valid, gid, pol, None, first_block, max_block)
+    b_rows, b_cols, b_len = _leading_runs(responses, valid, gid, pol, last, first_block, max_block)
 
-    lam_c = torch.where(pol > 0, torch.tensor(lam_pos), torch.tensor(lam_neg)).to(torch.float32)[:, None]
-    one = torch.ones((), dtype=torch.float32, device=device)
-    lam = torch.where(fwd, lam_c, one) * torch.where(bwd, lam_c, one) * valid.to(torch.float32)
-    return lam, fwd | bwd
+    lam_c = torch.where(pol > 0, lam_pos, lam_neg).to(torch.float32)
+    lam = valid.to(torch.float32)
+    is_conflict = torch.zeros_like(valid)
+    for rows, cols in ((f_rows, f_cols), (b_rows, b_cols)):
+        if rows.numel():
+            lam[rows, cols] = lam[rows, cols] * lam_c[rows]
+            is_conflict[rows, cols] = True
+    return lam, is_conflict, f_len, b_len, last
 
 
 @torch.no_grad()
@@ -334,9 +366,24 @@ def conflict_counts(is_conflict: torch.Tensor, polarity: torch.Tensor) -> torch.
 @torch.no_grad()
 def masked_mean_entropy(entropy: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """``<H>_i``: mean token entropy over the valid tokens of each row; ``[B, L] -> [B]`` float32 (0 if empty)."""
-    m = response_mask.to(torch.float64)
-    total = (entropy.to(torch.float64) * m).sum(-1)
-    return (total / m.sum(-1).clamp(min=1)).to(torch.float32)
+    total, count = _masked_row_sums(entropy, response_mask)
+    return (total / count.clamp(min=1)).to(torch.float32)
+
+
+def _masked_row_sums(x: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum_t x * m, sum_t m)`` per row as float64 ``[B]``, in row chunks (no ``[B, L]`` temporary)."""
+    b, length = x.shape
+    total = torch.zeros(b, dtype=torch.float64, device=x.device)
+    count = torch.zeros(b, dtype=torch.float64, device=x.device)
+    step = max(1, (1 << 21) // max(length, 1)) if x.device.type == "cpu" else max(b, 1)
+    for r0 in range(0, b, step):
+        r1 = min(b, r0 + step)
+        m = response_mask[r0:r1].to(device=x.device, dtype=torch.float32)
+        xs = x[r0:r1].detach()
+        xs = xs.to(torch.float32) if xs.dtype not in (torch.float32, torch.float64) else xs
+        total[r0:r1] = (xs * m.to(xs.dtype)).sum(-1, dtype=torch.float64)
+        count[r0:r1] = m.sum(-1, dtype=torch.float64)
+    return total, count
 
 
 @torch.no_grad()
@@ -417,7 +464,7 @@ def gtpo_traj_advantages(
     params: GTPOTrajParams,
     h_ini: float | None = None,
 ) -> GTPOTrajOutput:
-    """Token-level GTPO-trajectory advantages (ALGORITHMS.md §6.6), to be aggregated with ``seq-mean-token-mean``.
+    """Token-level GTPO-trajectory advantages (docs/ALGORITHMS.md §6.6), to be aggregated with ``seq-mean-token-mean``.
 
     ``adv[i, t] = c_g * delta_i * (A_i - gamma <H>_i) * lambda_{i,t} / n_conf_i^{[divide_by_nconf]}``, where
     ``c_g`` is the group size under ``agg="code_sum"`` and 1 under ``"paper_mean"``; groups whose rewards are all
@@ -439,16 +486,19 @@ def gtpo_traj_advantages(
         raise ValueError(f"entropy shape {tuple(entropy.shape)} != response_mask shape {tuple(response_mask.shape)}")
     if scores.shape != (response_mask.shape[0],):
         raise ValueError(f"scores must be [B]={response_mask.shape[0]}, got {tuple(scores.shape)}")
-    mask_f = response_mask.to(torch.float32)
     if h_ini is None:
         h_ini = params.h_ini
 
     adv, polarity, zero_var = centred_advantages(scores, gid, num_groups, params.adv_norm, params.eps)
-    lam, is_conflict = conflict_weights(
-        responses, response_mask, gid, num_groups, polarity, params.lam_pos, params.lam_neg
+    lam, is_conflict, f_len, b_len, last = _conflict_parts(
+        responses, response_mask, gid, num_groups, polarity, params.lam_pos, params.lam_neg, 32, 4096
     )
-    n_conf = conflict_counts(is_conflict, polarity)
-    h_bar = masked_mean_entropy(entropy, response_mask)
+    # conflict counts per row from the run lengths (forward run: columns [0, f); backward: (last - b, last])
+    overlap = (f_len + b_len - (last + 1)).clamp(min=0)
+    n_conflict = f_len + b_len - overlap
+    n_conf = torch.where(polarity != 0, n_conflict.clamp(min=1), torch.ones_like(n_conflict))
+    h_sum, n_valid = _masked_row_sums(entropy, response_mask)
+    h_bar = (h_sum / n_valid.clamp(min=1)).to(torch.float32)
     delta = entropy_filter(h_bar, params.tau, params.use_ini_gate, h_ini)
 
     shaped = delta * (adv - params.gamma * h_bar)
@@ -457,26 +507,29 @@ def gtpo_traj_advantages(
     if params.agg == "code_sum":
         group_size = segment_sum(torch.ones_like(shaped), gid, num_groups)
         shaped = shaped * group_size[gid]
-    token_adv = shaped[:, None] * lam
-    if params.divide_by_nconf:
-        token_adv = token_adv / n_conf[:, None].to(torch.float32)
-    token_adv = token_adv * mask_f
+    row_scale = shaped / n_conf.to(torch.float32) if params.divide_by_nconf else shaped
+    # lam is already 0 on padding: one pass writes the token advantages
+    token_adv = lam * row_scale[:, None]
 
-    valid_rows = mask_f.sum(-1) > 0
+    valid_rows = n_valid > 0
     n_rows = max(int(valid_rows.sum()), 1)
-    n_tok = max(float(mask_f.sum()), 1.0)
+    n_tok = max(float(n_valid.sum()), 1.0)
     active = polarity != 0
+    # sum_t lam per row: lam_c on single-run tokens, lam_c**2 on tokens of both runs, 1 elsewhere
+    lam_c = torch.where(polarity > 0, params.lam_pos, params.lam_neg).to(torch.float64)
+    lam_row = n_valid - n_conflict + lam_c * (n_conflict - overlap) + lam_c * lam_c * overlap
+    ncf = n_conflict.to(torch.float64)
     metrics = {
-        "gtpo_traj/conflict_token_frac": float((is_conflict & response_mask.bool()).sum()) / n_tok,
-        "gtpo_traj/pos_conflict_token_frac": float((is_conflict & (polarity > 0)[:, None]).sum()) / n_tok,
-        "gtpo_traj/neg_conflict_token_frac": float((is_conflict & (polarity < 0)[:, None]).sum()) / n_tok,
-        "gtpo_traj/conflict_traj_frac": float((is_conflict.any(-1) & valid_rows).sum()) / n_rows,
+        "gtpo_traj/conflict_token_frac": float(ncf.sum()) / n_tok,
+        "gtpo_traj/pos_conflict_token_frac": float(ncf[polarity > 0].sum()) / n_tok,
+        "gtpo_traj/neg_conflict_token_frac": float(ncf[polarity < 0].sum()) / n_tok,
+        "gtpo_traj/conflict_traj_frac": float(((n_conflict > 0) & valid_rows).sum()) / n_rows,
         "gtpo_traj/filtered_traj_frac": float(((delta == 0) & valid_rows).sum()) / n_rows,
         "gtpo_traj/active_traj_frac": float((active & valid_rows).sum()) / n_rows,
         "gtpo_traj/zero_var_traj_frac": float((zero_var & valid_rows).sum()) / n_rows,
         "gtpo_traj/mean_entropy": float(h_bar[valid_rows].mean()) if bool(valid_rows.any()) else 0.0,
         "gtpo_traj/shaped_adv_mean": float(shaped[valid_rows].mean()) if bool(valid_rows.any()) else 0.0,
-        "gtpo_traj/adv_abs_mean": float((token_adv.abs() * mask_f).sum()) / n_tok,
+        "gtpo_traj/adv_abs_mean": float((row_scale.abs().to(torch.float64) * lam_row).sum()) / n_tok,
         "gtpo_traj/filter_on": float(not (params.use_ini_gate and h_ini is not None and h_ini > params.tau)),
     }
     if h_ini is not None:

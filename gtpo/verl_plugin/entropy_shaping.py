@@ -73,7 +73,7 @@ def load_grop_params(config: Any) -> GROPParams:
 
 
 def _common_inputs(name: str, token_level_rewards, response_mask, index, entropy):
-    """Validate the verl-side inputs; return ``(rewards [B], mask [B, L] bool, gid [B], num_groups)``."""
+    """Validate the verl-side inputs; return ``(rewards [B], mask [B, L] (dtype as given), gid [B], num_groups)``."""
     if entropy is None:
         raise ValueError(
             f"adv_estimator={name} needs the old policy's per-token entropy, got entropy=None (run the recipe's "
@@ -99,7 +99,8 @@ def _common_inputs(name: str, token_level_rewards, response_mask, index, entropy
     gid, num_groups = group_ids(idx)
     device = token_level_rewards.device
     rewards = token_level_rewards.detach().sum(-1)
-    return rewards, response_mask.to(device).bool(), gid.to(device), num_groups
+    # the mask goes through as given (0/1 of any dtype): a bool copy would be one more pass over [B, L]
+    return rewards, response_mask.to(device), gid.to(device), num_groups
 
 
 def _grop_offset(config, rewards, mask, gid, num_groups, threshold, diag):

@@ -1,7 +1,7 @@
 """DAPO w/ Forking Tokens ("Beyond the 80/20 Rule", arXiv 2506.01939 v2, §5.1-5.2) on verl 0.9.1.
 
 The policy gradient is restricted to the top-``rho`` highest-entropy response tokens, and the token-mean
-denominator counts only those tokens (ALGORITHMS.md §7.3). A registered policy loss cannot do this in verl 0.9.1:
+denominator counts only those tokens (docs/ALGORITHMS.md §7.3). A registered policy loss cannot do this in verl 0.9.1:
 it receives neither the entropy nor any way to change the denominator (``agg_loss`` normalises ``token-mean`` by
 the global mini-batch token count ``batch_num_tokens`` that the engine computes from ``loss_mask``). The narrowest
 correct hook is therefore a whole-loss replacement, installed with ``ActorRolloutRefWorker.set_loss_fn``:

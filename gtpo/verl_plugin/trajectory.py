@@ -3,7 +3,7 @@
 Registered with ``verl.trainer.ppo.core_algos.register_adv_est("gtpo_traj")``; the math lives in
 ``gtpo.algorithms.trajectory``. Knobs: ``algorithm.gtpo_traj.*`` (``GTPOTrajParams``).
 
-Mapping onto verl's loss (ALGORITHMS.md §6.6):
+Mapping onto verl's loss (docs/ALGORITHMS.md §6.6):
 
 - The conflict weights, the entropy filter, the entropy penalty and the ``1/n_conf`` factor all fold into the
   token-level advantages; the policy loss is verl's ``vanilla`` PPO-clip loss with
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from gtpo.algorithms.group_ops import group_ids
-from gtpo.algorithms.trajectory import GTPOTrajParams, gtpo_traj_advantages, masked_mean_entropy
+from gtpo.algorithms.trajectory import GTPOTrajParams, _masked_row_sums, gtpo_traj_advantages, masked_mean_entropy
 from gtpo.verl_plugin.config import load_knobs
 
 __all__ = ["compute_gtpo_traj_advantage", "current_h_ini", "reset_h_ini", "set_h_ini", "load_params"]
@@ -124,7 +124,8 @@ def compute_gtpo_traj_advantage(
     mask = response_mask.to(device)
     gid, num_groups = group_ids(index)
     gid = gid.to(device)
-    scores = (token_level_rewards * mask).sum(-1)
+    # row sums of rewards * mask in row chunks (no [B, L] temporary)
+    scores = _masked_row_sums(token_level_rewards, mask)[0].to(token_level_rewards.dtype)
     ent = entropy.to(device=device, dtype=torch.float32).detach()
 
     h_ini = params.h_ini
