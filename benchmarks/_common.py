@@ -105,12 +105,19 @@ def rss_mb() -> float:
 
 
 def write_section(name: str, title: str, body: str, path: Path = RESULTS) -> None:
-    """Replace (or append) the ``name`` section of RESULTS.md; other sections are left byte-for-byte intact."""
+    """Replace (or append) the ``name`` section of RESULTS.md; other sections are left byte-for-byte intact.
+
+    The section is ``## title`` followed by ``<!-- BEGIN name -->`` ... ``<!-- END name -->``; the heading comes
+    first so that scripts which find a section's end by the next ``## `` heading (bench_reward.py) stop before it.
+    """
     begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
-    block = f"{begin}\n## {title}\n\n{body.rstrip()}\n{end}\n"
+    block = f"## {title}\n{begin}\n\n{body.rstrip()}\n{end}\n"
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     if begin in text and end in text:
         i, j = text.index(begin), text.index(end) + len(end)
+        head = text.rfind("\n", 0, max(i - 1, 0)) + 1  # start of the line before the marker
+        if text[head:i].startswith("## "):
+            i = head
         if j < len(text) and text[j] == "\n":
             j += 1
         text = text[:i] + block + text[j:]

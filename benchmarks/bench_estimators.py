@@ -353,13 +353,8 @@ def main() -> int:
         if args.threads:
             name += f"-t{args.threads}"
             title = title[:-1] + f", {args.threads} torch thread(s))"
-        C.write_section(name, title, body + _notes())
+        C.write_section(name, title, body)
     return 0
-
-
-def _notes() -> str:
-    path = os.path.join(REPO_ROOT, "benchmarks", "estimators_notes.md")
-    return "\n" + open(path).read() if os.path.exists(path) else ""
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ Implemented:
   (``response_mask[:, t] == 1``; positions are absolute offsets from the response start).
 - GTPO advantages (Eq. 6): each set of shaped token rewards is whitened, ``(x - mean) / (std + eps)``.
   ``norm_mode="split"`` whitens the correct and the incorrect tokens separately (every secondary source);
-  ``norm_mode="joint"`` whitens them together (keeps the sign, docs/ALGORITHMS.md §3.7). ``norm_scope`` picks one set per
-  group or one per batch.
+  ``norm_mode="joint"`` whitens them together (keeps the sign, docs/ALGORITHMS.md §3.7). ``norm_scope`` picks one
+  set per group or one per batch.
 - GRPO-S shaped sequence rewards and group-normalised advantages (docs/ALGORITHMS.md §4.1) on the masked mean token
   entropy ``Hbar_i``, broadcast to the response's tokens.
 - Optional composition of GTPO with GTPO-trajectory conflict weights (arXiv 2508.03772, §6.2): the final token
@@ -31,8 +31,8 @@ Deliberate choices where the sources are silent (each one a knob or documented b
   verl's GRPO): it makes GRPO-S reduce exactly to verl's GRPO (A2-T2). Over thousands of tokens the two conventions
   agree to 1e-4; ``"population"`` (textpolicy) is available.
 - Zero-variance tolerance: a whitening set whose std is ``<= zero_var_rtol * mean(|x|)`` (or that holds fewer than two
-  values) gets advantage 0 (docs/ALGORITHMS.md §3.6 last bullet): the ε guards alone make "equal" shaped rewards differ by
-  ~ ``a2 * eps / H``, and dividing such a spread by its own std would turn rounding into unit advantages.
+  values) gets advantage 0 (docs/ALGORITHMS.md §3.6 last bullet): the ε guards alone make "equal" shaped rewards
+  differ by ~ ``a2 * eps / H``, and dividing such a spread by its own std would turn rounding into unit advantages.
 - Negative base: ``negative_base="minus_one"`` (default) uses the literal -1 of Eq. 5 for every incorrect response,
   whatever its reward (0/1 and ±1 verifiers alike); ``"reward"`` uses the incorrect response's own (negative) reward,
   so a length penalty that a ±1 reward function folded into the reward reaches it. Penalties passed separately as
@@ -735,11 +735,12 @@ def grpo_s_advantages(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO-S advantages ``A_i = (r^_i - mean_g) / (std_g + eps)`` per group, broadcast to the response's tokens.
 
-    Edge cases (docs/ALGORITHMS.md §4.3): an all-correct (all-wrong) group keeps a non-zero entropy-rank advantage unless
-    its ``Hbar`` are all equal (then 0, as GRPO); uniform ``Hbar`` or ``beta2 = 0`` give verl GRPO's advantages (up to
-    the ε in the std guard) for groups of two or more; a group with a single non-empty response gets 0; zero-length
-    responses are left out of ``n``, ``m``, the sums and the group statistics, and get 0; ``Hbar = 0`` on the
-    correct side gives weight 0, on the incorrect side the largest inverse weight (finite through ε).
+    Edge cases (docs/ALGORITHMS.md §4.3): an all-correct (all-wrong) group keeps a non-zero entropy-rank advantage
+    unless its ``Hbar`` are all equal (then 0, as GRPO); uniform ``Hbar`` or ``beta2 = 0`` give verl GRPO's
+    advantages (up to the ε in the std guard) for groups of two or more; a group with a single non-empty response
+    gets 0; zero-length responses are left out of ``n``, ``m``, the sums and the group statistics, and get 0;
+    ``Hbar = 0`` on the correct side gives weight 0, on the incorrect side the largest inverse weight (finite
+    through ε).
 
     Args:
         entropy: ``[B, L]`` old-policy token entropy. response_mask: ``[B, L]`` 0/1. rewards: ``[B]``.
