@@ -319,6 +319,8 @@ def _diagnostics(rs, rdiag, correct, gid, num_groups, base, sign, a1, a2, eps, c
             "adv_abs_mean": _ratio(l1.sum(), n_valid),
             "frac_tokens_adv_pos": _ratio(npos.sum(), n_valid),
             "frac_tokens_adv_neg": _ratio(nneg.sum(), n_valid),
+            # exact for the computed rewards: sum_k share_k * count = count * (1 - eps / (sum + eps)), so the
+            # largest deviation over groups and positions is a2 * eps * max(count / (sum + eps))
             "conservation_err": a2 * eps * cmax,
             "frac_groups_all_correct": all_pos,
             "frac_groups_all_wrong": all_neg,

@@ -39,12 +39,10 @@ def env(extra_modules: tuple[str, ...] | list[str] = (), base: dict[str, str] | 
     Returns:
         ``base`` updated with the backend's variables (a new dict).
     """
+    from gtpo.verl_plugin.config import merge_module_list  # torch- and verl-free
+
     out = dict(base or {})
-    modules: list[str] = []
-    for name in (*CPU_MODULES, *extra_modules, *out.get("VERL_USE_EXTERNAL_MODULES", "").split(",")):
-        name = name.strip()
-        if name and name not in modules:
-            modules.append(name)
+    modules = merge_module_list(",".join(CPU_MODULES), ",".join(extra_modules), out.get("VERL_USE_EXTERNAL_MODULES"))
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     pythonpath = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
     if repo_root not in pythonpath:
@@ -54,7 +52,7 @@ def env(extra_modules: tuple[str, ...] | list[str] = (), base: dict[str, str] | 
             "VERL_PLATFORM": "cpu",
             "VERL_ENGINE_DEVICE": "cuda",
             "VERL_ENGINE_VENDOR": "nvidia",
-            "VERL_USE_EXTERNAL_MODULES": ",".join(modules),
+            "VERL_USE_EXTERNAL_MODULES": modules,
             "PYTHONPATH": os.pathsep.join(pythonpath),
             "HYDRA_FULL_ERROR": "1",
             "WANDB_MODE": "disabled",

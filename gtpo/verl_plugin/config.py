@@ -14,7 +14,18 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["load_knobs", "to_plain"]
+__all__ = ["load_knobs", "merge_module_list", "to_plain"]
+
+
+def merge_module_list(*values: str | None) -> str:
+    """Comma-joined union of ``VERL_USE_EXTERNAL_MODULES``-style lists, order kept, duplicates and blanks dropped."""
+    seen: list[str] = []
+    for value in values:
+        for name in (value or "").split(","):
+            name = name.strip()
+            if name and name not in seen:
+                seen.append(name)
+    return ",".join(seen)
 
 
 def to_plain(node: Any) -> Any:

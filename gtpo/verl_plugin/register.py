@@ -22,5 +22,5 @@ from __future__ import annotations
 
 from gtpo.verl_plugin import entropy_shaping, forking, trainer, trajectory  # noqa: F401  (imports register)
 
-ESTIMATORS = ("gtpo", "grpo_s", "gtpo_traj")
+ESTIMATORS = tuple(sorted(trainer.RECIPE_ESTIMATORS))
 TRAINER_MODE = trainer.TRAINER_MODE

@@ -19,7 +19,6 @@ exact verl code path.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import numpy as np
@@ -38,9 +37,6 @@ from verl.workers.utils.padding import response_to_nested
 
 from gtpo.verl_plugin import forking
 from gtpo.verl_plugin.dynamic_sampling import bound_generation_rounds
-
-logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
 TRAINER_MODE = "gtpo_sync"
 

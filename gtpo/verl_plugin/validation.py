@@ -19,8 +19,6 @@ KNOB_BLOCKS: dict[str, tuple[str, str]] = {
     "forking": ("gtpo.verl_plugin.forking", "ForkingParams"),
 }
 
-# Estimators that read the old-policy entropy handed over by the gtpo_sync trainer.
-ENTROPY_ESTIMATORS = frozenset({"gtpo", "grpo_s", "gtpo_traj"})
 # GROP (paper A, App. D) is applied inside these estimators, to the sequence reward before shaping.
 GROP_COMPATIBLE = frozenset({"gtpo", "grpo_s"})
 
@@ -40,7 +38,7 @@ def validate_recipe_config(config: DictConfig) -> None:
     """Validate the recipe-specific parts of a composed trainer config."""
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
 
-    from gtpo.verl_plugin.trainer import TRAINER_MODE
+    from gtpo.verl_plugin.trainer import RECIPE_ESTIMATORS, TRAINER_MODE
 
     algorithm = config.algorithm
     estimator = str(algorithm.adv_estimator)
@@ -57,7 +55,7 @@ def validate_recipe_config(config: DictConfig) -> None:
     knobs = load_all_knobs(algorithm)
     trainer_mode = config.trainer.get("v1", {}).get("trainer_mode", "sync")
     grop_on = bool(knobs["grop"].enable)
-    if estimator in ENTROPY_ESTIMATORS and trainer_mode != TRAINER_MODE:
+    if estimator in RECIPE_ESTIMATORS and trainer_mode != TRAINER_MODE:
         raise ValueError(
             f"trainer.v1.trainer_mode={trainer_mode!r}: algorithm.adv_estimator={estimator!r} needs "
             f"trainer.v1.trainer_mode={TRAINER_MODE} (the trainer that hands it the old-policy entropy)"
@@ -82,7 +80,7 @@ def validate_recipe_config(config: DictConfig) -> None:
             "training policy's entropy selects the tokens, so the actor must compute it"
         )
     rollout_corr = algorithm.get("rollout_correction", None)
-    if estimator in ENTROPY_ESTIMATORS and rollout_corr is not None and rollout_corr.get("bypass_mode", False):
+    if estimator in RECIPE_ESTIMATORS and rollout_corr is not None and rollout_corr.get("bypass_mode", False):
         raise ValueError(
             f"algorithm.rollout_correction.bypass_mode=true with algorithm.adv_estimator={estimator!r}: bypass mode "
             "skips the old-log-prob pass, which is where verl computes the per-token entropy this estimator needs"

@@ -21,18 +21,9 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
+from gtpo.verl_plugin.config import merge_module_list
+
 PLUGIN_MODULE = "gtpo.verl_plugin.register"
-
-
-def merge_module_list(*values: str | None) -> str:
-    """Comma-joined union of module lists, order kept, duplicates and blanks dropped."""
-    seen: list[str] = []
-    for value in values:
-        for name in (value or "").split(","):
-            name = name.strip()
-            if name and name not in seen:
-                seen.append(name)
-    return ",".join(seen)
 
 
 def add_plugin_to_runtime_env(config: DictConfig) -> None:
