@@ -37,14 +37,17 @@ FAKES = {
         exec "$@"
     """,
     "ray": r"""
-        printf 'ray\t%s\t%s\n' "${FAKE_NODE:-}" "$(printf '%q ' "$@")" >> "$FAKE_LOG"
         case "$1" in
             start)
+                printf 'ray\t%s\t%s\n' "${FAKE_NODE:-}" "$(printf '%q ' "$@")" >> "$FAKE_LOG"
                 if [[ " $* " == *" --block "* ]]; then exec sleep 120; fi
                 ;;
             status)
+                # Count first, then record what this poll saw: the record says which nodes it could have seen,
+                # whatever the interleaving with concurrent `ray start` records.
                 n=$(grep -c $'^ray\t[^\t]*\tstart ' "$FAKE_LOG" || true)
                 if (( n > ${FAKE_MAX_NODES:-1000} )); then n=${FAKE_MAX_NODES}; fi
+                printf 'ray\t%s\tactive=%s\t%s\n' "${FAKE_NODE:-}" "$n" "$(printf '%q ' "$@")" >> "$FAKE_LOG"
                 echo "======== Autoscaler status ========"
                 echo "Node status"
                 echo "---------------------------------------------------------------"
@@ -54,6 +57,9 @@ FAKES = {
                 echo " (no pending nodes)"
                 echo "Resources"
                 echo " 0.0/$((n * 8)).0 GPU"
+                ;;
+            *)
+                printf 'ray\t%s\t%s\n' "${FAKE_NODE:-}" "$(printf '%q ' "$@")" >> "$FAKE_LOG"
                 ;;
         esac
     """,
@@ -140,7 +146,8 @@ def test_head_first_workers_join_driver_on_head(tmp_path):
     assert "--num-cpus=64" in head and "--num-gpus=8" in head
     # Every other node joins the head's address, after a status poll saw the head.
     polls = index_of(records, lambda r: r[0] == "ray" and argv(r)[0] == "status")
-    seen_head = [i for i in polls if i > starts[0]]
+    seen_head = [i for i in polls if records[i][2] != "active=0"]
+    assert seen_head and seen_head[0] > starts[0]
     worker_sruns = index_of(records, lambda r: r[0] == "srun" and "start" in argv(r) and "--head" not in argv(r))
     assert seen_head and len(worker_sruns) == len(NODES) - 1 and min(worker_sruns) > seen_head[0]
     workers = starts[1:]
