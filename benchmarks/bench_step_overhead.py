@@ -19,7 +19,6 @@ Writes its table into benchmarks/RESULTS.md (section ``step-overhead``; other se
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -77,12 +76,7 @@ def run_trainer(estimator: str, steps: int, seed: int, workdir: Path, timeout: f
         )
     rows = []
     if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            data = d.get("data", d)
+        for d, data in demo.file_logger_records(metrics):
             if "timing_s/step" in data:
                 rows.append({"step": d.get("step"), "step_s": data["timing_s/step"], "adv_s": data.get("timing_s/adv")})
     if res.returncode != 0 and not rows:

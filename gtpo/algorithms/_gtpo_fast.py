@@ -282,7 +282,7 @@ def gtpo_fast(entropy, response_mask, rewards, gid, num_groups, params, reward_o
 
 def _diagnostics(rs, rdiag, correct, gid, num_groups, base, sign, a1, a2, eps, cmax):
     """The reference's diagnostics (``_gtpo_diagnostics``) from per-row sums."""
-    from gtpo.algorithms.entropy_shaping import _group_outcome_fracs
+    from gtpo.algorithms.entropy_shaping import _gtpo_diagnostics_from_rows
 
     lens, hsum, sw, wmax, k, ssq = (rs[n] for n in ("lens", "hsum", "sw", "wmax", "k", "ssq"))
     sadv, l1, sp, sa = rdiag.unbind(1)
@@ -290,45 +290,26 @@ def _diagnostics(rs, rdiag, correct, gid, num_groups, base, sign, a1, a2, eps, c
     w2 = ssq + 2.0 * k * sz + k * k * lens  # sum of w^2 over the valid tokens
     if a2 <= 0:
         sw, w2, wmax = torch.zeros_like(sw), torch.zeros_like(w2), torch.zeros_like(wmax)
-    shaped_row = a1 * base * lens + sign * a2 * rs["sw"]
-    npos, nneg = (sa + sp) / 2, (sa - sp) / 2
-    pos_sum, neg_sum = (l1 + sadv) / 2, (sadv - l1) / 2
-
-    def _ratio(num, den):
-        return float(num) / float(den) if float(den) > 0 else 0.0
-
-    out: dict[str, float] = {}
-    for name, rows in (("pos", correct), ("neg", ~correct)):
-        n_tok = lens[rows].sum()
-        mean = _ratio(sw[rows].sum(), n_tok)
-        var = max(_ratio(w2[rows].sum(), n_tok) - mean * mean, 0.0)
-        live = rows & (lens > 0)
-        out[f"weight_{name}_mean"] = mean
-        out[f"weight_{name}_std"] = math.sqrt(var)
-        out[f"weight_{name}_max"] = float(wmax[live].max()) if bool(live.any()) else 0.0
-    n_valid = lens.sum()
-    all_pos, all_neg = _group_outcome_fracs(correct, lens > 0, gid, num_groups)
-    out.update(
-        {
-            "shaped_correct_mean": _ratio(shaped_row[correct].sum(), lens[correct].sum()),
-            "shaped_incorrect_mean": _ratio(shaped_row[~correct].sum(), lens[~correct].sum()),
-            "adv_correct_mean": _ratio(sadv[correct].sum(), lens[correct].sum()),
-            "adv_incorrect_mean": _ratio(sadv[~correct].sum(), lens[~correct].sum()),
-            "adv_pos_mean": _ratio(pos_sum.sum(), npos.sum()),
-            "adv_neg_mean": _ratio(neg_sum.sum(), nneg.sum()),
-            "adv_abs_mean": _ratio(l1.sum(), n_valid),
-            "frac_tokens_adv_pos": _ratio(npos.sum(), n_valid),
-            "frac_tokens_adv_neg": _ratio(nneg.sum(), n_valid),
-            # exact for the computed rewards: sum_k share_k * count = count * (1 - eps / (sum + eps)), so the
-            # largest deviation over groups and positions is a2 * eps * max(count / (sum + eps))
-            "conservation_err": a2 * eps * cmax,
-            "frac_groups_all_correct": all_pos,
-            "frac_groups_all_wrong": all_neg,
-            "entropy_correct_mean": _ratio(hsum[correct].sum(), lens[correct].sum()),
-            "entropy_incorrect_mean": _ratio(hsum[~correct].sum(), lens[~correct].sum()),
-        }
+    return _gtpo_diagnostics_from_rows(
+        correct,
+        gid,
+        num_groups,
+        lens,
+        w_row=sw,
+        w2_row=w2,
+        w_max=wmax,
+        shaped_row=a1 * base * lens + sign * a2 * rs["sw"],
+        adv_row=sadv,
+        abs_row=l1,
+        pos_row=(l1 + sadv) / 2,
+        neg_row=(sadv - l1) / 2,
+        npos_row=(sa + sp) / 2,
+        nneg_row=(sa - sp) / 2,
+        ent_row=hsum,
+        # exact for the computed rewards: sum_k share_k * count = count * (1 - eps / (sum + eps)), so the
+        # largest deviation over groups and positions is a2 * eps * max(count / (sum + eps))
+        conservation_err=a2 * eps * cmax,
     )
-    return out
 
 
 @torch.no_grad()

@@ -259,6 +259,24 @@ def validate_shaping_inputs(
             raise ValueError("reward_offset must be finite")
 
 
+def _validate_with_params(
+    params, entropy, response_mask, rewards, gid, num_groups, reward_offset, check_tokens: bool = True
+) -> None:
+    """:func:`validate_shaping_inputs` with the knobs of a :class:`GTPOParams` or :class:`GRPOSParams`."""
+    validate_shaping_inputs(
+        entropy,
+        response_mask,
+        rewards,
+        gid,
+        num_groups,
+        reward_threshold=params.reward_threshold,
+        negative_base=params.negative_base,
+        neg_entropy_tol=params.neg_entropy_tol,
+        reward_offset=reward_offset,
+        check_tokens=check_tokens,
+    )
+
+
 def _check_token_values(entropy: torch.Tensor, response_mask: torch.Tensor, neg_entropy_tol: float) -> None:
     """The ``[B, L]`` value checks of :func:`validate_shaping_inputs` (mask in {0, 1}; entropy on valid tokens)."""
     if response_mask.dtype != torch.bool and bool(((response_mask != 0) & (response_mask != 1)).any()):
@@ -485,18 +503,7 @@ def gtpo_token_advantages(
         ValueError: on bad inputs (see :func:`validate_shaping_inputs`) or a missing ``responses``.
     """
     params = params or GTPOParams()
-    validate_shaping_inputs(
-        entropy,
-        response_mask,
-        rewards,
-        gid,
-        num_groups,
-        reward_threshold=params.reward_threshold,
-        negative_base=params.negative_base,
-        neg_entropy_tol=params.neg_entropy_tol,
-        reward_offset=reward_offset,
-        check_tokens=False,
-    )
+    _validate_with_params(params, entropy, response_mask, rewards, gid, num_groups, reward_offset, check_tokens=False)
     if params.conflict_mask:
         if responses is None:
             raise ValueError("conflict_mask=True needs the response token ids (responses), got None")
@@ -524,17 +531,7 @@ def _gtpo_token_advantages_reference(
     readable reference (same arguments and results up to float32 rounding) and handles empty batches.
     """
     params = params or GTPOParams()
-    validate_shaping_inputs(
-        entropy,
-        response_mask,
-        rewards,
-        gid,
-        num_groups,
-        reward_threshold=params.reward_threshold,
-        negative_base=params.negative_base,
-        neg_entropy_tol=params.neg_entropy_tol,
-        reward_offset=reward_offset,
-    )
+    _validate_with_params(params, entropy, response_mask, rewards, gid, num_groups, reward_offset)
     device = entropy.device
     m = response_mask.to(device).bool()
     gid = gid.to(device=device, dtype=torch.long)
@@ -626,8 +623,38 @@ def _gtpo_diagnostics(entropy, m, correct, gid, num_groups, params, shaped, adv,
     adv_row, abs_row = adv.sum(-1), adv.abs().sum(-1)
     pos_row, neg_row = adv.clamp(min=0).sum(-1), adv.clamp(max=0).sum(-1)
     npos_row, nneg_row = (adv > 0).sum(-1).to(torch.float64), (adv < 0).sum(-1).to(torch.float64)
-    shaped_row = shaped.sum(-1)
-    all_pos, all_neg = _group_outcome_fracs(correct, m.any(-1), gid, num_groups)
+    return _gtpo_diagnostics_from_rows(
+        correct,
+        gid,
+        num_groups,
+        lens,
+        w_row=w_row,
+        w2_row=w2_row,
+        w_max=w_max,
+        shaped_row=shaped.sum(-1),
+        adv_row=adv_row,
+        abs_row=abs_row,
+        pos_row=pos_row,
+        neg_row=neg_row,
+        npos_row=npos_row,
+        nneg_row=nneg_row,
+        ent_row=ent_row,
+        conservation_err=float(err.max()) if err.numel() else 0.0,
+    )
+
+
+def _gtpo_diagnostics_from_rows(
+    correct, gid, num_groups, lens, *, w_row, w2_row, w_max, shaped_row, adv_row, abs_row, pos_row, neg_row,
+    npos_row, nneg_row, ent_row, conservation_err,
+) -> dict[str, float]:  # fmt: skip
+    """The keys of :func:`_gtpo_diagnostics` from ``[B]`` per-row sums over the valid tokens.
+
+    ``lens`` token counts; ``w_row`` / ``w2_row`` / ``w_max`` sum, sum of squares and max of the count-scaled
+    entropy weights (``w_max`` is read on non-empty rows only); ``shaped_row``, ``adv_row``, ``abs_row``,
+    ``pos_row``, ``neg_row`` sums of the shaped rewards, advantages, their absolute values and positive / negative
+    parts; ``npos_row`` / ``nneg_row`` counts of positive / negative advantages; ``ent_row`` entropy sums.
+    Both the reference and the chunked evaluation (:mod:`gtpo.algorithms._gtpo_fast`) report through this.
+    """
 
     def _ratio(num, den):
         return float(num) / float(den) if float(den) > 0 else 0.0
@@ -637,10 +664,12 @@ def _gtpo_diagnostics(entropy, m, correct, gid, num_groups, params, shaped, adv,
         n_tok = lens[rows].sum()
         mean = _ratio(w_row[rows].sum(), n_tok)
         var = max(_ratio(w2_row[rows].sum(), n_tok) - mean * mean, 0.0)
+        live = rows & (lens > 0)
         out[f"weight_{name}_mean"] = mean
         out[f"weight_{name}_std"] = math.sqrt(var)
-        out[f"weight_{name}_max"] = float(w_max[rows].max()) if bool((rows & (lens > 0)).any()) else 0.0
+        out[f"weight_{name}_max"] = float(w_max[live].max()) if bool(live.any()) else 0.0
     n_valid = lens.sum()
+    all_pos, all_neg = _group_outcome_fracs(correct, lens > 0, gid, num_groups)
     out.update(
         {
             "shaped_correct_mean": _ratio(shaped_row[correct].sum(), lens[correct].sum()),
@@ -652,7 +681,7 @@ def _gtpo_diagnostics(entropy, m, correct, gid, num_groups, params, shaped, adv,
             "adv_abs_mean": _ratio(abs_row.sum(), n_valid),
             "frac_tokens_adv_pos": _ratio(npos_row.sum(), n_valid),
             "frac_tokens_adv_neg": _ratio(nneg_row.sum(), n_valid),
-            "conservation_err": float(err.max()) if err.numel() else 0.0,
+            "conservation_err": conservation_err,
             "frac_groups_all_correct": all_pos,
             "frac_groups_all_wrong": all_neg,
             "entropy_correct_mean": _ratio(ent_row[correct].sum(), lens[correct].sum()),
@@ -754,18 +783,7 @@ def grpo_s_advantages(
         ``frac_groups_all_wrong``, ``seq_entropy_correct_mean``, ``seq_entropy_incorrect_mean``.
     """
     params = params or GRPOSParams()
-    validate_shaping_inputs(
-        entropy,
-        response_mask,
-        rewards,
-        gid,
-        num_groups,
-        reward_threshold=params.reward_threshold,
-        negative_base=params.negative_base,
-        neg_entropy_tol=params.neg_entropy_tol,
-        reward_offset=reward_offset,
-        check_tokens=False,
-    )
+    _validate_with_params(params, entropy, response_mask, rewards, gid, num_groups, reward_offset, check_tokens=False)
     from gtpo.algorithms._gtpo_fast import broadcast_rows, masked_row_sums
 
     device = entropy.device

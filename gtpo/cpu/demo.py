@@ -58,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -383,16 +384,21 @@ def load_rewards(metrics_path: str | os.PathLike, key: str = REWARD_KEY) -> list
     if not path.is_file():
         return []
     by_step: dict[int, float] = {}
+    for rec, data in file_logger_records(path):
+        value = data.get(key) if isinstance(data, dict) else None
+        if isinstance(value, int | float) and math.isfinite(value):
+            by_step[int(rec["step"])] = float(value)
+    return sorted(by_step.items())
+
+
+def file_logger_records(path: Path) -> Iterator[tuple[dict, object]]:
+    """``(record, data)`` per parseable line of verl's file-logger JSONL; a line still being written is skipped."""
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        data = rec.get("data", rec)
-        value = data.get(key) if isinstance(data, dict) else None
-        if isinstance(value, int | float) and math.isfinite(value):
-            by_step[int(rec["step"])] = float(value)
-    return sorted(by_step.items())
+        yield rec, rec.get("data", rec)
 
 
 def summarize(rewards: list[tuple[int, float]], window: int = 10, target: float = 0.8) -> dict:
