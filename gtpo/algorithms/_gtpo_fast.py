@@ -161,7 +161,7 @@ def _scales(st, set_ids, n_sets, a1, a2, unbiased, eps, rtol):
 def gtpo_fast(entropy, response_mask, rewards, gid, num_groups, params, reward_offset=None, responses=None):
     """Same contract as :func:`gtpo.algorithms.entropy_shaping.gtpo_token_advantages` (inputs already validated
     except for their ``[B, L]`` values)."""
-    from gtpo.algorithms.entropy_shaping import _bases
+    from gtpo.algorithms.entropy_shaping import _bases, _conflict_lambda
 
     device = entropy.device
     b, length = entropy.shape
@@ -182,22 +182,8 @@ def gtpo_fast(entropy, response_mask, rewards, gid, num_groups, params, reward_o
     diag: dict[str, float] = {}
     lam = None
     if params.conflict_mask:
-        from gtpo.algorithms.trajectory import conflict_weights
-
-        valid = mask.bool()
-        nonempty = valid.any(-1)
-        polarity = torch.where(correct, 1, -1).to(torch.int8) * nonempty.to(torch.int8)
-        lam, is_conflict = conflict_weights(
-            responses.to(device),
-            valid,
-            gid,
-            num_groups,
-            polarity,
-            float(params.conflict_lam_pos),
-            float(params.conflict_lam_neg),
-        )
+        lam, diag["conflict_token_frac"] = _conflict_lambda(responses, mask.bool(), correct, gid, num_groups, params)
         lam = lam.to(device=device, dtype=_F32)
-        diag["conflict_token_frac"] = float(is_conflict.sum()) / max(int(valid.sum()), 1)
 
     chunk_tokens = CUDA_CHUNK_TOKENS if device.type == "cuda" else CPU_CHUNK_TOKENS
     order, lseg_all, lgrp_all, chunks = _plan(gid, correct, num_groups, length, chunk_tokens)

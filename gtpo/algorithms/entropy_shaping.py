@@ -505,12 +505,7 @@ def gtpo_token_advantages(
     params = params or GTPOParams()
     _validate_with_params(params, entropy, response_mask, rewards, gid, num_groups, reward_offset, check_tokens=False)
     if params.conflict_mask:
-        if responses is None:
-            raise ValueError("conflict_mask=True needs the response token ids (responses), got None")
-        if not isinstance(responses, torch.Tensor) or tuple(responses.shape) != tuple(response_mask.shape):
-            raise ValueError(
-                f"responses shape {_shape(responses)} does not match response_mask {tuple(response_mask.shape)}"
-            )
+        _check_responses(responses, response_mask)
     b, length = entropy.shape
     if b == 0 or length == 0 or num_groups == 0:
         return _gtpo_token_advantages_reference(
@@ -554,29 +549,48 @@ def _gtpo_token_advantages_reference(
 
     diag: dict[str, float] = {}
     if params.conflict_mask:
-        if responses is None:
-            raise ValueError("conflict_mask=True needs the response token ids (responses), got None")
-        if not isinstance(responses, torch.Tensor) or tuple(responses.shape) != tuple(m.shape):
-            raise ValueError(f"responses shape {_shape(responses)} does not match response_mask {tuple(m.shape)}")
-        from gtpo.algorithms.trajectory import conflict_weights
-
-        nonempty = m.any(-1)
-        polarity = torch.where(correct, 1, -1).to(torch.int8) * nonempty.to(torch.int8)
-        lam, is_conflict = conflict_weights(
-            responses.to(device),
-            m,
-            gid,
-            num_groups,
-            polarity,
-            float(params.conflict_lam_pos),
-            float(params.conflict_lam_neg),
-        )
+        _check_responses(responses, m)
+        lam, diag["conflict_token_frac"] = _conflict_lambda(responses, m, correct, gid, num_groups, params)
         adv = adv * lam.to(device=device, dtype=torch.float64)
-        diag["conflict_token_frac"] = float(is_conflict.sum()) / max(int(m.sum()), 1)
 
     adv = torch.where(m, adv, 0.0)
     diag.update(_gtpo_diagnostics(entropy, m, correct, gid, num_groups, params, shaped, adv, base, counts))
     return adv.to(torch.float32), diag
+
+
+def _check_responses(responses, response_mask: torch.Tensor) -> None:
+    if responses is None:
+        raise ValueError("conflict_mask=True needs the response token ids (responses), got None")
+    if not isinstance(responses, torch.Tensor) or tuple(responses.shape) != tuple(response_mask.shape):
+        raise ValueError(
+            f"responses shape {_shape(responses)} does not match response_mask {tuple(response_mask.shape)}"
+        )
+
+
+def _conflict_lambda(responses, valid, correct, gid, num_groups, params) -> tuple[torch.Tensor, float]:
+    """GTPO's ``conflict_mask`` option: GTPO-trajectory's conflict weights with correctness as the polarity.
+
+    Args:
+        responses: ``[B, L]`` token ids. valid: ``[B, L]`` bool mask (its device is used). correct: ``[B]`` bool.
+        gid: ``[B]`` int64 group ids; num_groups: ``NG``. params: :class:`GTPOParams` (``conflict_lam_pos/neg``).
+
+    Returns:
+        ``(lam [B, L] float32, conflict_token_frac)``: ``lam`` multiplies the advantages (0 on padding); the
+        fraction counts conflict tokens over the valid tokens. Empty responses take no part (polarity 0).
+    """
+    from gtpo.algorithms.trajectory import conflict_weights
+
+    polarity = torch.where(correct, 1, -1).to(torch.int8) * valid.any(-1).to(torch.int8)
+    lam, is_conflict = conflict_weights(
+        responses.to(valid.device),
+        valid,
+        gid,
+        num_groups,
+        polarity,
+        float(params.conflict_lam_pos),
+        float(params.conflict_lam_neg),
+    )
+    return lam, float(is_conflict.sum()) / max(int(valid.sum()), 1)
 
 
 def _masked_mean(x: torch.Tensor, sel: torch.Tensor) -> float:
