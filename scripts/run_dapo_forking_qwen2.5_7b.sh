@@ -2,8 +2,8 @@
 # DAPO w/ Forking Tokens: DAPO with the policy gradient restricted to the top-20% entropy tokens
 # (arXiv 2506.01939) | Qwen2.5-7B base | 1 node x 8 GPUs | FSDP2 + vLLM | verl 0.9.1
 #
-# Presets: configs/method/dapo_forking.yaml (estimator, loss, clip, KL off, dynamic sampling) and
-# configs/model/qwen2.5_7b.yaml (lengths, batch, parallelism, offload, token budgets).
+# Presets: configs/method/dapo_forking.yaml (estimator, loss, clip, KL off, dynamic sampling), configs/model/qwen2.5_7b.yaml
+# (parallelism, offload, token budgets) and configs/scale/paper.yaml (paper A's batch, lengths, lr, sampling).
 # Launch logic: scripts/common.sh.
 #
 #   bash scripts/run_dapo_forking_qwen2.5_7b.sh [overrides]                     # on this node / Slurm driver
@@ -12,16 +12,17 @@
 set -xeuo pipefail
 
 # Algorithm
+# Scale: paper A's setup (arXiv 2508.04349, Sec. 3.1) from configs/scale/paper.yaml: 128 prompts x 16 responses,
+# prompt 2048 + response 4096 tokens, lr 1e-6, rollout temperature 1.0 / top-p 1.0, mini-batch 32 prompts.
+# scale=dapo (here or as an argument) selects DAPO's 512 x 16 at 2048 + 20480 instead (configs/scale/dapo.yaml).
+# Validation: AIME 2024, AIME 2025, MATH 500 (TEST_FILE) with paper A's sampling, n = 32 (configs/sampling/paper.yaml).
 method=dapo_forking
 model_preset=qwen2.5_7b
+scale=paper
 clip_ratio_low=0.2
 clip_ratio_high=0.28
 loss_agg_mode=token-mean
-n_resp_per_prompt=16
-train_prompt_bsz=512
-train_prompt_mini_bsz=32
-max_prompt_length=$((1024 * 2))
-max_response_length=$((1024 * 20))
+val_sampling=paper
 
 # Infrastructure
 NNODES=${NNODES:-1}
@@ -29,7 +30,7 @@ NGPUS_PER_NODE=${NGPUS_PER_NODE:-8}
 RAY_DATA_HOME=${RAY_DATA_HOME:-"${HOME}/verl"}
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen2.5-7B}
 TRAIN_FILE=${TRAIN_FILE:-"${RAY_DATA_HOME}/data/dapo-math-17k.parquet"}
-TEST_FILE=${TEST_FILE:-"${RAY_DATA_HOME}/data/aime-2024.parquet"}
+TEST_FILE=${TEST_FILE:-"[${RAY_DATA_HOME}/data/aime2024.parquet,${RAY_DATA_HOME}/data/aime2025.parquet,${RAY_DATA_HOME}/data/math500.parquet]"}
 PROJECT_NAME=${PROJECT_NAME:-gtpo-reproduction}
 EXP_NAME=${EXP_NAME:-dapo_forking-qwen2.5-7b}
 CKPTS_DIR=${CKPTS_DIR:-"${RAY_DATA_HOME}/ckpts/${PROJECT_NAME}/${EXP_NAME}"}
@@ -43,11 +44,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 gtpo_launch \
     method="${method}" \
     model="${model_preset}" \
-    data.max_prompt_length="${max_prompt_length}" \
-    data.max_response_length="${max_response_length}" \
-    data.train_batch_size="${train_prompt_bsz}" \
-    actor_rollout_ref.rollout.n="${n_resp_per_prompt}" \
-    actor_rollout_ref.actor.ppo_mini_batch_size="${train_prompt_mini_bsz}" \
+    scale="${scale}" \
+    sampling="${val_sampling}" \
     actor_rollout_ref.actor.clip_ratio_low="${clip_ratio_low}" \
     actor_rollout_ref.actor.clip_ratio_high="${clip_ratio_high}" \
     actor_rollout_ref.actor.loss_agg_mode="${loss_agg_mode}" \

@@ -40,26 +40,76 @@ def test_presets_pass(compose, capsys, size):
     assert BEGIN_MARK in out and END_MARK in out and "[dry run] OK" in out
 
 
-def test_batch_plan_numbers(compose):
+@pytest.mark.parametrize(
+    "size,scale,expected",
+    [
+        # Paper A (default scale): 4 x 8 GPUs, no Ulysses -> dp 32; TP 4 -> 8 vLLM replicas; 128 x 16 sequences in
+        # 4 mini-batches of 32 x 16 / 32 per rank; 2048 + 4096 tokens.
+        ("32b", "paper", dict(n_gpus=32, sp=1, dp=32, rollout_replicas=8, max_seq_len=6144, sequences_per_step=2048,
+                              mini_batches_per_step=4, sequences_per_rank_per_mini_batch=16)),
+        ("7b", "paper", dict(n_gpus=8, sp=1, dp=8, rollout_replicas=8, max_seq_len=6144, sequences_per_step=2048,
+                             mini_batches_per_step=4, sequences_per_rank_per_mini_batch=64)),
+        # DAPO's scale: Ulysses 8 -> dp 4; 512 x 16 sequences in 16 mini-batches of 32 x 16 / 4; 2048 + 20480 tokens.
+        ("32b", "dapo", dict(n_gpus=32, sp=8, dp=4, rollout_replicas=8, max_seq_len=22528, sequences_per_step=8192,
+                             mini_batches_per_step=16, sequences_per_rank_per_mini_batch=128)),
+        ("7b", "dapo", dict(n_gpus=8, sp=4, dp=2, rollout_replicas=4, max_seq_len=22528, sequences_per_step=8192,
+                            mini_batches_per_step=16, sequences_per_rank_per_mini_batch=256)),
+    ],
+)  # fmt: skip
+def test_batch_plan_numbers(compose, size, scale, expected):
     from omegaconf import OmegaConf
 
     from gtpo.verl_plugin.dry_run import batch_plan
 
-    cfg = compose("model=qwen2.5_32b")
+    cfg = compose(f"model=qwen2.5_{size}", f"scale={scale}")
     OmegaConf.resolve(cfg)
-    plan = batch_plan(cfg)
-    # 4 x 8 GPUs, Ulysses 8 -> dp 4; TP 4 -> 8 vLLM replicas; 512 x 16 sequences in 16 mini-batches of 32 x 16 / 4.
-    assert plan == {
-        "n_gpus": 32,
-        "sp": 8,
-        "dp": 4,
-        "rollout_replicas": 8,
-        "max_seq_len": 22528,
-        "sequences_per_step": 8192,
-        "mini_batches_per_step": 16,
-        "sequences_per_rank_per_mini_batch": 128,
-        "dynamic_bsz": True,
-    }
+    assert batch_plan(cfg) == {**expected, "dynamic_bsz": True}
+
+
+@pytest.mark.parametrize("method", ["dapo", "dapo_forking"])
+@pytest.mark.parametrize("size", ["7b", "32b"])
+@pytest.mark.parametrize("scale,response,buffer", [("paper", 4096, 1024), ("dapo", 20480, 4096)])
+def test_overlong_buffer_follows_the_scale(monkeypatch, capsys, method, size, scale, response, buffer):
+    """The presets' soft overlong window at each scale: 1024 of 4096 (paper A), DAPO's own 4096 of 20480."""
+    import verl  # noqa: F401
+
+    import gtpo.verl_plugin.register  # noqa: F401
+    from gtpo.verl_plugin.dry_run import compose_config, run_dry
+
+    monkeypatch.chdir(REPO)
+    cfg = compose_config([f"method={method}", f"model=qwen2.5_{size}", f"scale={scale}"])
+    run_dry(cfg)
+    out = capsys.readouterr().out
+    assert f"overlong punishment: buffer {buffer} of {response} tokens (penalty from token {response - buffer}" in out
+    kwargs = cfg.reward.reward_kwargs
+    assert kwargs.max_resp_len == cfg.data.max_response_length == response
+    assert kwargs.overlong_buffer_cfg.enable and kwargs.overlong_buffer_cfg.len == buffer
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        # DAPO's 4096 buffer at paper A's 4096-token responses: every response penalised from its first token.
+        ([], r"reward\.reward_kwargs\.overlong_buffer_cfg\.len=4096 >= reward\.reward_kwargs\.max_resp_len=4096"),
+        (
+            ["data.max_response_length=2048"],
+            r"overlong_buffer_cfg\.len=4096 >= reward\.reward_kwargs\.max_resp_len=2048",
+        ),
+        (["reward.reward_kwargs.max_resp_len=8192"], r"max_resp_len=8192 != data\.max_response_length=4096"),
+    ],
+)
+def test_rejects_overlong_buffer_trap(monkeypatch, overrides, match):
+    import verl  # noqa: F401
+
+    import gtpo.verl_plugin.register  # noqa: F401
+    from gtpo.verl_plugin.dry_run import compose_config, run_dry
+
+    monkeypatch.chdir(REPO)
+    cfg = compose_config(
+        ["method=dapo", "model=qwen2.5_7b", "reward.reward_kwargs.overlong_buffer_cfg.len=4096", *overrides]
+    )
+    with pytest.raises(ValueError, match=match):
+        run_dry(cfg)
 
 
 @pytest.mark.parametrize(
@@ -76,8 +126,8 @@ def test_batch_plan_numbers(compose):
         ),
         (["actor_rollout_ref.rollout.n=1"], r"rollout.n=1: algorithm.adv_estimator=gtpo"),
         (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], r"replica size .* = 3 must tile"),
-        (["actor_rollout_ref.actor.ppo_mini_batch_size=30"], r"train_batch_size=512 must be a multiple of .*=30"),
-        (["trainer.nnodes=3"], r"32 \* 16 = 512 sequences do not split evenly over 3 data-parallel ranks"),
+        (["actor_rollout_ref.actor.ppo_mini_batch_size=30"], r"train_batch_size=128 must be a multiple of .*=30"),
+        (["trainer.nnodes=3"], r"32 \* 16 = 512 sequences do not split evenly over 24 data-parallel ranks"),
         (["data.max_response_length=200000"], r"= 2048 \+ 200000 = 202048: one full sequence must fit"),
         (["actor_rollout_ref.rollout.gpu_memory_utilization=1.5"], r"gpu_memory_utilization=1.5"),
         (["algorithm.adv_estimator=no_such_estimator"], r"adv_estimator=no_such_estimator: not registered"),

@@ -38,18 +38,19 @@ METHOD_EXPECT = {
     "grpo_s": dict(adv="grpo_s", agg="seq-mean-token-mean", clip=(0.2, 0.28), kl_loss=False, dyn=True),
     "gtpo_traj": dict(adv="gtpo_traj", agg="seq-mean-token-mean", clip=(0.2, 0.2), kl_loss=False, dyn=False),
 }
-# Hardware and parallelism per size (configs/model/qwen2.5_<size>.yaml).
+# Hardware and parallelism per size at paper A's scale (configs/model/qwen2.5_<size>.yaml).
 SIZE_EXPECT = {
-    "7b": dict(nnodes=1, gpus=8, sp=4, tp=2, offload=False, model="Qwen/Qwen2.5-7B"),
-    "32b": dict(nnodes=4, gpus=8, sp=8, tp=4, offload=True, model="Qwen/Qwen2.5-32B"),
+    "7b": dict(nnodes=1, gpus=8, sp=1, tp=1, offload=False, model="Qwen/Qwen2.5-7B"),
+    "32b": dict(nnodes=4, gpus=8, sp=1, tp=4, offload=True, model="Qwen/Qwen2.5-32B"),
 }
+# Paper A, Sec. 3.1 (docs/ALGORITHMS.md §9.1): the scale every launcher runs by default.
+PAPER = dict(prompts=128, n=16, prompt_len=2048, response_len=4096, lr=1e-6, temperature=1.0, top_p=1.0)
+# Validation sets: the parquet names `python -m gtpo.data.prepare` writes for the three benchmarks of Table 1.
+VAL_FILES = ("aime2024.parquet", "aime2025.parquet", "math500.parquet")
+# Methods with DAPO's soft overlong punishment.
+OVERLONG = ("dapo", "dapo_forking")
 # Keys a script restates as lowercase knobs: their values must equal what the presets alone give.
 SCRIPT_KNOB_KEYS = (
-    "data.max_prompt_length",
-    "data.max_response_length",
-    "data.train_batch_size",
-    "actor_rollout_ref.rollout.n",
-    "actor_rollout_ref.actor.ppo_mini_batch_size",
     "actor_rollout_ref.actor.clip_ratio_low",
     "actor_rollout_ref.actor.clip_ratio_high",
     "actor_rollout_ref.actor.loss_agg_mode",
@@ -219,18 +220,36 @@ def test_dry_run(dry_runs, method, size):
     assert cfg["trainer"]["use_v1"] is True and cfg["trainer"]["v1"]["trainer_mode"] == "gtpo_sync"
 
     assert cfg["trainer"]["nnodes"] == hw["nnodes"] and cfg["trainer"]["n_gpus_per_node"] == hw["gpus"]
-    assert cfg["data"]["max_prompt_length"] == 2048 and cfg["data"]["max_response_length"] == 20480
-    assert rollout["prompt_length"] == 2048 and rollout["response_length"] == 20480
-    assert cfg["data"]["train_batch_size"] == 512 and actor["ppo_mini_batch_size"] == 32 and rollout["n"] == 16
+    # Paper A's scale (Sec. 3.1): 128 prompts x 16 responses, 2048 + 4096 tokens, lr 1e-6, T 1.0, top-p 1.0.
+    data = cfg["data"]
+    assert data["max_prompt_length"] == PAPER["prompt_len"] and data["max_response_length"] == PAPER["response_len"]
+    assert rollout["prompt_length"] == PAPER["prompt_len"] and rollout["response_length"] == PAPER["response_len"]
+    assert data["train_batch_size"] == PAPER["prompts"] and rollout["n"] == PAPER["n"]
+    assert rollout["temperature"] == PAPER["temperature"] and rollout["top_p"] == PAPER["top_p"]
+    assert actor["optim"]["lr"] == pytest.approx(PAPER["lr"]) and actor["optim"]["lr_warmup_steps"] <= 0
+    # GTPO-trajectory keeps paper B's single on-policy update per step; the others take 4 updates of 32 prompts.
+    assert actor["ppo_mini_batch_size"] == (PAPER["prompts"] if method == "gtpo_traj" else 32)
     assert rollout["name"] == "vllm" and rollout["tensor_model_parallel_size"] == hw["tp"]
     assert actor["strategy"] == "fsdp2" and arr["ref"]["strategy"] == "fsdp2"
     assert actor["ulysses_sequence_parallel_size"] == hw["sp"] and arr["model"]["use_remove_padding"] is True
     assert actor["use_dynamic_bsz"] is True and rollout["log_prob_use_dynamic_bsz"] is True
-    assert actor["ppo_max_token_len_per_gpu"] * hw["sp"] >= 2048 + 20480
+    assert actor["ppo_max_token_len_per_gpu"] * hw["sp"] >= PAPER["prompt_len"] + PAPER["response_len"]
+    assert rollout["max_num_batched_tokens"] >= PAPER["prompt_len"] + PAPER["response_len"]
     assert actor["fsdp_config"]["param_offload"] is hw["offload"]
     assert actor["fsdp_config"]["optimizer_offload"] is hw["offload"]
-    assert actor["optim"]["lr"] == pytest.approx(1e-6) and actor["optim"]["lr_warmup_steps"] > 0
     assert arr["model"]["path"] == hw["model"]
+    # Table 1 validation: AIME 2024, AIME 2025, MATH 500 at paper A's sampling with 32 samples per problem.
+    assert [Path(f).name for f in data["val_files"]] == list(VAL_FILES)
+    val = rollout["val_kwargs"]
+    assert (val["temperature"], val["top_p"], val["n"], val["do_sample"]) == (1.0, 1.0, 32, True)
+    assert cfg["trainer"]["test_freq"] > 0
+    buffer = cfg["reward"].get("reward_kwargs", {}).get("overlong_buffer_cfg", {})
+    if method in OVERLONG:
+        assert buffer["enable"] and 0 < buffer["len"] < PAPER["response_len"]
+        assert cfg["reward"]["reward_kwargs"]["max_resp_len"] == PAPER["response_len"]
+        assert f"overlong punishment: buffer {buffer['len']} of {PAPER['response_len']} tokens" in result.stdout
+    else:
+        assert not buffer.get("enable", False)
     assert cfg["trainer"]["experiment_name"] == f"{method}-qwen2.5-{size}"
     assert cfg["trainer"]["default_local_dir"].endswith(f"/ckpts/gtpo-reproduction/{method}-qwen2.5-{size}")
 
@@ -328,5 +347,81 @@ def test_local_run_order_of_overrides(tmp_path, extra):
     words = call.split()
     assert words[:3] == ["python", "-m", "recipe.gtpo.main_gtpo"]
     # Infrastructure first, then the script's knobs, then the caller's overrides (Hydra: the last one wins).
-    assert words.index("trainer.nnodes=1") < words.index("method=dapo") < words.index("actor_rollout_ref.rollout.n=16")
+    assert words.index("trainer.nnodes=1") < words.index("method=dapo") < words.index("scale=paper")
     assert words[-1] == "actor_rollout_ref.rollout.n=8"
+
+
+def test_knob_block_states_the_paper_scale(monkeypatch):
+    """The scale a script's knob block states in words is what configs/scale/paper.yaml resolves to."""
+    from omegaconf import OmegaConf
+
+    from gtpo.verl_plugin.dry_run import compose_config
+
+    monkeypatch.chdir(REPO)
+    cfg = OmegaConf.to_container(compose_config(["scale=paper"]), resolve=True)
+    pattern = (
+        r"(\d+) prompts x (\d+) responses,\n# prompt (\d+) \+ response (\d+) tokens, lr ([\d.e-]+), "
+        r"rollout temperature ([\d.]+) / top-p ([\d.]+), mini-batch (\d+) prompts"
+    )
+    for method, size in CASES:
+        text = script_path(method, size).read_text()
+        assert "\nscale=paper\n" in text and 'scale="${scale}"' in text, f"{method}/{size}: no scale knob"
+        found = re.search(pattern, text)
+        assert found, f"{method}/{size}: the knob block does not state the scale"
+        stated = [float(v) for v in found.groups()]
+        resolved = [
+            cfg["data"]["train_batch_size"],
+            cfg["actor_rollout_ref"]["rollout"]["n"],
+            cfg["data"]["max_prompt_length"],
+            cfg["data"]["max_response_length"],
+            cfg["actor_rollout_ref"]["actor"]["optim"]["lr"],
+            cfg["actor_rollout_ref"]["rollout"]["temperature"],
+            cfg["actor_rollout_ref"]["rollout"]["top_p"],
+            cfg["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"],
+        ]
+        assert stated == pytest.approx(resolved), f"{method}/{size}: stated {stated} != resolved {resolved}"
+        assert stated[:7] == pytest.approx([PAPER[k] for k in PAPER]), f"{method}/{size}: not paper A's scale"
+
+
+def _dry_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", *args], cwd=tmp_path, env=dry_run_env(tmp_path), capture_output=True, text=True, timeout=600
+    )
+
+
+def test_dapo_scale_is_one_argument_away(tmp_path):
+    """`scale=dapo` on a launcher's command line gives DAPO's 512 x 16 at 2048 + 20480 with its 4096 buffer."""
+    proc = _dry_run(tmp_path, str(script_path("dapo", "32b")), "scale=dapo")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    cfg = resolved_config(proc.stdout)
+    actor, rollout = cfg["actor_rollout_ref"]["actor"], cfg["actor_rollout_ref"]["rollout"]
+    assert (cfg["data"]["train_batch_size"], rollout["n"], actor["ppo_mini_batch_size"]) == (512, 16, 32)
+    assert (cfg["data"]["max_prompt_length"], cfg["data"]["max_response_length"]) == (2048, 20480)
+    assert actor["ulysses_sequence_parallel_size"] == 8 and actor["optim"]["lr_warmup_steps"] == 20
+    assert actor["ppo_max_token_len_per_gpu"] * 8 >= 22528 and rollout["max_num_batched_tokens"] >= 22528
+    assert cfg["reward"]["reward_kwargs"]["overlong_buffer_cfg"]["len"] == 4096
+    assert "buffer 4096 of 20480 tokens (penalty from token 16384" in proc.stdout
+
+
+def test_dry_run_rejects_the_overlong_trap(tmp_path):
+    """DAPO's 4,096-token buffer at paper A's 4,096-token responses is refused with both keys named."""
+    proc = _dry_run(
+        tmp_path, str(script_path("dapo_forking", "7b")), "reward.reward_kwargs.overlong_buffer_cfg.len=4096"
+    )
+    assert proc.returncode != 0
+    assert "reward.reward_kwargs.overlong_buffer_cfg.len=4096 >= reward.reward_kwargs.max_resp_len=4096" in proc.stderr
+    assert "[dry run] OK" not in proc.stdout
+
+
+def test_eval_checkpoint_dry_run(tmp_path):
+    """scripts/eval_checkpoint.sh runs the launcher's validation only, on the checkpoint, dumping the generations."""
+    ckpt = tmp_path / "ckpts" / "global_step_30"
+    proc = _dry_run(tmp_path, str(REPO / "scripts" / "eval_checkpoint.sh"), str(script_path("gtpo", "7b")), str(ckpt))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    trainer = resolved_config(proc.stdout)["trainer"]
+    assert trainer["val_only"] is True and trainer["val_before_train"] is True
+    assert trainer["resume_mode"] == "resume_path" and trainer["resume_from_path"] == str(ckpt)
+    assert trainer["validation_data_dir"] == str(ckpt / "eval" / "generations")
+    assert "-m gtpo.eval" not in proc.stderr  # a dry run evaluates nothing
+    bad = _dry_run(tmp_path, str(REPO / "scripts" / "eval_checkpoint.sh"), str(script_path("gtpo", "7b")), "ckpts/last")
+    assert bad.returncode == 2 and "expected verl's checkpoint folder" in bad.stderr

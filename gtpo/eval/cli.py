@@ -3,7 +3,7 @@
 Usage::
 
     python -m gtpo.eval DUMP [DUMP ...] [--data PARQUET ...] [--out-dir DIR] [--ks 1,2,4,8,16,32]
-                        [--sampling dapo|r1] [--no-regrade] [--num-workers N] [--timeout-s S]
+                        [--sampling paper|dapo|r1] [--no-regrade] [--num-workers N] [--timeout-s S]
     python -m gtpo.eval presets          # the named sampling presets and their verl overrides
 
 Accepted inputs (JSONL or parquet, one or more files of ONE evaluation run):
@@ -11,8 +11,10 @@ Accepted inputs (JSONL or parquet, one or more files of ONE evaluation run):
 * verl validation dumps (``trainer.validation_data_dir``, one ``<step>.jsonl`` per validation): rows
   ``{input, output, gts, score, step, uid, acc?, pred?, ...}``, n rows per prompt. Samples are grouped by the
   prompt uid (``uid`` is ``<prompt uid>_<session>_<index>``; the part before the last two ``_`` fields), or by
-  ``input`` when there is no uid. Dumps carry no ``data_source``: pass the parquet files the run validated on
-  with ``--data`` (a prompt is matched by its user message appearing in ``input``), else ``--data-source``.
+  ``input`` when there is no uid. verl's dumps carry no ``data_source``: the recipe's trainer writes
+  ``<step>.data_sources.json`` beside them (read automatically, ``gtpo.eval.sources``); otherwise pass the parquet
+  files the run validated on with ``--data`` (a prompt is matched by its user message appearing in ``input``),
+  else ``--data-source``.
 * verl generation outputs (``main_generation``): rows with ``responses`` (list of n strings), ``data_source``,
   ``reward_model.ground_truth`` and a prompt.
 * flat rows with ``response``/``output``, ``ground_truth``/``gts``/``answer``, ``data_source`` and a problem key
@@ -34,10 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gtpo.eval.metrics import DEFAULT_KS, summarize_groups
+from gtpo.eval.metrics import DEFAULT_KS, TABLE1_BENCHMARKS, summarize_groups, table1_columns
 from gtpo.eval.presets import SAMPLING_PRESETS, get_preset, hydra_overrides
+from gtpo.eval.sources import read_data_sources
 
-__all__ = ["Sample", "evaluate", "load_samples", "main", "render_markdown", "write_plot"]
+__all__ = ["Sample", "evaluate", "load_samples", "main", "render_markdown", "render_table1", "write_plot"]
 
 
 @dataclass
@@ -108,6 +111,8 @@ def load_samples(paths: list[str | Path]) -> list[Sample]:
     samples: list[Sample] = []
     steps: set = set()
     for path in map(Path, paths):
+        # {prompt uid: data_source} written by the recipe's trainer beside a validation dump, if any
+        sidecar = read_data_sources(path)
         for where, row in _read_rows(path):
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected an object")
@@ -119,7 +124,7 @@ def load_samples(paths: list[str | Path]) -> list[Sample]:
                 raise ValueError(f"{where}: no problem key (fields uid / id / problem / prompt / input)")
             if row.get("step") is not None:
                 steps.add(row["step"])
-            ds = row.get("data_source")
+            ds = row.get("data_source") or sidecar.get(group)
             input_text = row.get("input") or _prompt_text(row.get("prompt"))
             if row.get("responses") is not None:
                 responses = list(row["responses"])
@@ -201,6 +206,7 @@ def evaluate(
         accs = [[bool(samples[i].acc) for i in idx] for idx in idx_lists]
         preds = [[normalize_for_vote(samples[i].pred) for i in idx] for idx in idx_lists]
         entry: dict[str, Any] = summarize_groups(accs, preds, ks)
+        entry.update(table1_columns(accs))
         entry["no_answer"] = sum(1 for idx in idx_lists for i in idx if not samples[i].pred) / sum(map(len, idx_lists))
         if regrade:
             entry["grade_status"] = dict(Counter(statuses[i] for idx in idx_lists for i in idx))
@@ -223,6 +229,32 @@ def render_markdown(report: dict[str, dict], title: str = "") -> str:
         cells += [f"{100 * e[c]:.1f}" if c in e else "-" for c in metric_cols]
         cells.append(f"{100 * e['no_answer']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_table1(report: dict[str, dict]) -> str:
+    """Paper A's Table 1 columns (AIME24 / AIME25 Mean@n, Pass@4, Pass@32; MATH500 Mean@n) in percent, for the
+    benchmarks of ``report`` among ``aime2024``, ``aime2025``, ``math500``; "" when none of them is there."""
+    head, cells = [], []
+    for source, label, columns in TABLE1_BENCHMARKS:
+        entry = report.get(source)
+        if entry is None:
+            continue
+        for column in columns:
+            key = next((k for k in entry if k.startswith("Mean@")), column) if column == "Mean" else column
+            head.append(f"{label} {key}")
+            cells.append(f"{100 * entry[key]:.2f}" if key in entry else "-")
+    if not head:
+        return ""
+    lines = [
+        "### Paper A, Table 1 columns",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---:"] * len(head)) + "|",
+        "| " + " | ".join(cells) + " |",
+        "",
+        "Mean@n: mean accuracy over all n samples; Pass@k: unbiased estimator (Chen et al. 2021) from the same n.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -302,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                 n_min = int(e["n_min"])
                 print(f"warning: {ds} has {n_min} samples per problem, preset {args.sampling} draws {preset.n}")
     md = render_markdown(report, title)
+    table1 = render_table1(report)
+    if table1:
+        md += "\n" + table1
     (out_dir / "eval.md").write_text(md)
     (out_dir / "eval.json").write_text(json.dumps({"meta": meta, "results": report}, indent=2))
     write_plot(report, out_dir / "pass_at_k.png", title)

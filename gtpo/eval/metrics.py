@@ -12,8 +12,14 @@
   correct if the first sample carrying the winning answer was graded correct; a problem with no answer at all
   counts as wrong.
 
+* ``Mean@n`` / ``Pass@k`` — paper A's Table 1 names (arXiv 2508.04349, Sec. 3.1: "Pass@k ... Mean@32 is also
+  reported"): Mean@32 is avg@n at n = 32, Pass@k the unbiased pass@k above. The paper does not say how it estimated
+  Pass@k; most of its Pass@32 cells are not multiples of 1/30, so they are not one 32-sample run of AIME's 30
+  problems (docs/ALGORITHMS.md §10.2).
+
 verl's in-loop ``best@k`` is a with-replacement bootstrap (biased low, verl issue #7240); ``validation_pass_at_k``
-gives the unbiased pass@k from the same per-sample arrays verl's ``_val_metrics_update`` receives.
+and ``validation_table1`` give the unbiased values from the same per-sample arrays verl's ``_val_metrics_update``
+receives.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import numpy as np
 
 __all__ = [
     "DEFAULT_KS",
+    "TABLE1_BENCHMARKS",
+    "TABLE1_KS",
     "avg_at_n",
     "group_samples",
     "maj_at_k",
@@ -33,10 +41,20 @@ __all__ = [
     "pass_at_k",
     "pass_at_k_mean",
     "summarize_groups",
+    "table1_columns",
     "validation_pass_at_k",
+    "validation_table1",
 ]
 
 DEFAULT_KS = (1, 2, 4, 8, 16, 32)
+
+# Paper A (arXiv 2508.04349) Table 1: Mean@32, Pass@4 and Pass@32 on AIME 2024 / 2025, Mean@32 on MATH 500.
+TABLE1_KS = (4, 32)
+TABLE1_BENCHMARKS = (
+    ("aime2024", "AIME24", ("Mean", "Pass@4", "Pass@32")),
+    ("aime2025", "AIME25", ("Mean", "Pass@4", "Pass@32")),
+    ("math500", "MATH500", ("Mean",)),
+)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -130,6 +148,33 @@ def summarize_groups(
     return out
 
 
+def _validation_groups(
+    data_sources: Sequence[str],
+    sample_uids: Sequence[str],
+    accs: Sequence[Any],
+    expected_counts: dict[tuple[str, str], int] | None = None,
+) -> dict[str, list[list[bool]]]:
+    """Per data source, one list of verdicts per prompt (see ``validation_pass_at_k`` for the arguments)."""
+    if not (len(data_sources) == len(sample_uids) == len(accs)):
+        raise ValueError(f"lengths differ: data_sources={len(data_sources)}, uids={len(sample_uids)}, accs={len(accs)}")
+    per_group: dict[tuple[str, str], list[bool]] = defaultdict(list)
+    for ds, uid, a in zip(data_sources, sample_uids, accs, strict=True):
+        key = (str(ds), str(uid))
+        if a is None:
+            per_group.setdefault(key, [])
+            continue
+        per_group[key].append(bool(float(a) > 0))
+    if expected_counts:
+        for (ds, uid), n in expected_counts.items():
+            got = per_group.setdefault((str(ds), str(uid)), [])
+            got.extend([False] * max(int(n) - len(got), 0))
+    by_source: dict[str, list[list[bool]]] = defaultdict(list)
+    for (ds, _), vals in per_group.items():
+        if vals:
+            by_source[ds].append(vals)
+    return dict(by_source)
+
+
 def validation_pass_at_k(
     data_sources: Sequence[str],
     sample_uids: Sequence[str],
@@ -150,25 +195,8 @@ def validation_pass_at_k(
         expected_counts: verl's ``expected_acc_counts`` {(data_source, uid): n}; samples missing from the arrays
             (failed sessions) then count as incorrect, as verl's own acc metrics do.
     """
-    if not (len(data_sources) == len(sample_uids) == len(accs)):
-        raise ValueError(f"lengths differ: data_sources={len(data_sources)}, uids={len(sample_uids)}, accs={len(accs)}")
-    per_group: dict[tuple[str, str], list[bool]] = defaultdict(list)
-    for ds, uid, a in zip(data_sources, sample_uids, accs, strict=True):
-        key = (str(ds), str(uid))
-        if a is None:
-            per_group.setdefault(key, [])
-            continue
-        per_group[key].append(bool(float(a) > 0))
-    if expected_counts:
-        for (ds, uid), n in expected_counts.items():
-            got = per_group.setdefault((str(ds), str(uid)), [])
-            got.extend([False] * max(int(n) - len(got), 0))
-    by_source: dict[str, list[list[bool]]] = defaultdict(list)
-    for (ds, _), vals in per_group.items():
-        if vals:
-            by_source[ds].append(vals)
     metrics: dict[str, float] = {}
-    for ds, groups in by_source.items():
+    for ds, groups in _validation_groups(data_sources, sample_uids, accs, expected_counts).items():
         ns = [len(g) for g in groups]
         cs = [sum(g) for g in groups]
         n_min = min(ns)
@@ -181,3 +209,35 @@ def validation_pass_at_k(
         for k in use:
             metrics[f"{section}/{ds}/{var_name}/pass@{k}"] = pass_at_k_mean(ns, cs, k)
     return metrics
+
+
+def table1_columns(accs_per_problem: Sequence[Sequence[bool]], ks: Sequence[int] = TABLE1_KS) -> dict[str, float]:
+    """Paper A's Table 1 columns for one benchmark: ``Mean@n`` (n = the largest per-problem sample count; the mean
+    correctness over all samples, averaged over problems) and the unbiased ``Pass@k`` for each k <= the smallest
+    per-problem sample count (Pass@4 and Pass@32 at n = 32)."""
+    if not accs_per_problem:
+        raise ValueError("no problems")
+    ns = [len(a) for a in accs_per_problem]
+    cs = [int(np.sum(np.asarray(a, dtype=bool))) for a in accs_per_problem]
+    out = {f"Mean@{max(ns)}": avg_at_n(accs_per_problem)}
+    for k in ks:
+        if 1 <= k <= min(ns):
+            out[f"Pass@{k}"] = pass_at_k_mean(ns, cs, k)
+    return out
+
+
+def validation_table1(
+    data_sources: Sequence[str],
+    sample_uids: Sequence[str],
+    accs: Sequence[Any],
+    expected_counts: dict[tuple[str, str], int] | None = None,
+    section: str = "val-core",
+    var_name: str = "acc",
+) -> dict[str, float]:
+    """``{section}/{data_source}/{var_name}/Mean@32`` (and ``Pass@4``, ``Pass@32``): ``table1_columns`` per data
+    source from verl's per-sample validation arrays (arguments as ``validation_pass_at_k``)."""
+    return {
+        f"{section}/{ds}/{var_name}/{name}": value
+        for ds, groups in _validation_groups(data_sources, sample_uids, accs, expected_counts).items()
+        for name, value in table1_columns(groups).items()
+    }

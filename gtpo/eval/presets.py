@@ -1,9 +1,10 @@
 """Named sampling presets shared by in-loop validation (``configs/sampling/<name>.yaml``) and offline evaluation.
 
-* ``dapo``: T = 1.0, top-p = 0.7 (DAPO, arXiv 2503.14476; avg@32 on AIME).
-* ``r1``:   T = 0.6, top-p = 0.95 (DeepSeek-R1, arXiv 2501.12948; open-r1 / lighteval).
+* ``paper``: T = 1.0, top-p = 1.0 (paper A, arXiv 2508.04349, Sec. 3.1; Table 1's Mean@32 / Pass@4 / Pass@32).
+* ``dapo``:  T = 1.0, top-p = 0.7 (DAPO, arXiv 2503.14476; avg@32 on AIME).
+* ``r1``:    T = 0.6, top-p = 0.95 (DeepSeek-R1, arXiv 2501.12948; open-r1 / lighteval).
 
-Both draw n = 32 samples per problem so that pass@k is reported for k <= 32. The YAML files state the same
+All draw n = 32 samples per problem so that pass@k is reported for k <= 32. The YAML files state the same
 values (a test keeps them equal); ``hydra_overrides`` gives the command-line form.
 """
 
@@ -35,6 +36,7 @@ class SamplingPreset:
 
 
 SAMPLING_PRESETS: dict[str, SamplingPreset] = {
+    "paper": SamplingPreset("paper", temperature=1.0, top_p=1.0, n=32, reference="paper A, arXiv 2508.04349, Sec. 3.1"),
     "dapo": SamplingPreset("dapo", temperature=1.0, top_p=0.7, n=32, reference="DAPO, arXiv 2503.14476"),
     "r1": SamplingPreset("r1", temperature=0.6, top_p=0.95, n=32, reference="DeepSeek-R1, arXiv 2501.12948"),
 }

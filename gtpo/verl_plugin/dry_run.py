@@ -11,7 +11,9 @@ Hydra composition. It catches, on a laptop, the mistakes that otherwise surface 
    splits evenly over the data-parallel ranks (world size / Ulysses SP size), micro-batches divide the per-rank
    mini-batch, dynamic-batch token budgets hold one full prompt + response, the vLLM replicas (TP x DP x PP) tile
    the GPUs, and grouped estimators get at least two responses per prompt;
-4. verl's own ``verl.utils.config.validate_config``, called with ``use_reference_policy`` / ``use_critic`` computed
+4. a soft overlong punishment whose buffer is not shorter than the response (it would penalise every response;
+   ``gtpo.verl_plugin.validation.check_overlong_shaping``, also run at the recipe's startup);
+5. verl's own ``verl.utils.config.validate_config``, called with ``use_reference_policy`` / ``use_critic`` computed
    as ``verl.trainer.main_ppo`` does.
 
 Then it prints the resolved configuration and a one-screen summary of the batch plan. Every failure is a
@@ -279,7 +281,10 @@ def run_dry(config: DictConfig) -> None:
     _check_registries(cfg)
     from verl.trainer.ppo.utils import need_reference_policy
 
+    from gtpo.verl_plugin.validation import check_overlong_shaping
+
     plan = batch_plan(cfg, use_reference_policy=bool(need_reference_policy(cfg)))
+    check_overlong_shaping(cfg)
     use_ref, use_critic, verl_out = _verl_validate(cfg)
 
     actor = cfg.actor_rollout_ref.actor
@@ -307,6 +312,19 @@ def run_dry(config: DictConfig) -> None:
         f"{plan['sequences_per_rank_per_mini_batch']} sequences per dp rank; max sequence {plan['max_seq_len']} "
         f"tokens; dynamic_bsz={plan['dynamic_bsz']}"
     )
+    val = cfg.actor_rollout_ref.rollout.val_kwargs
+    print(
+        f"[dry run] validation: {cfg.data.val_files} n={val.n} temperature={val.temperature} top_p={val.top_p} "
+        f"do_sample={val.do_sample}; test_freq={cfg.trainer.test_freq} val_before_train={cfg.trainer.val_before_train} "
+        f"val_only={cfg.trainer.val_only}"
+    )
+    buffer = OmegaConf.select(cfg, "reward.reward_kwargs.overlong_buffer_cfg", default=None)
+    if buffer is not None and buffer.get("enable", False):
+        max_len = cfg.reward.reward_kwargs.max_resp_len
+        print(
+            f"[dry run] overlong punishment: buffer {buffer.len} of {max_len} tokens (penalty from token "
+            f"{max_len - buffer.len}, -{buffer.penalty_factor} at {max_len})"
+        )
     print("[dry run] OK: configuration resolved and validated; Ray was not started.")
 
 

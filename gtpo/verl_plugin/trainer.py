@@ -49,8 +49,8 @@ class GTPOTrainerSync(PPOTrainerSync):
     """v1 sync trainer whose advantage step feeds old-policy entropy and token ids to the recipe's estimators.
 
     Also: DAPO's ``max_num_gen_batches`` round limit (verl 0.9.1 ignores it), the forking-token loss in the actor
-    workers (``algorithm.forking.enable``), per-token dumps for ``python -m gtpo.viz tokens``, and unbiased pass@k
-    in validation.
+    workers (``algorithm.forking.enable``), per-token dumps for ``python -m gtpo.viz tokens``, and paper A's
+    Table 1 columns (unbiased Mean@32 / Pass@4 / Pass@32) in validation.
     """
 
     # verl's base class branches on ``self.trainer_mode == "sync"`` (replay buffer class, dataloader refill,
@@ -120,15 +120,28 @@ class GTPOTrainerSync(PPOTrainerSync):
     def _val_metrics_update(
         self, data_sources, sample_uids, reward_extra_infos_dict, sample_turns, expected_acc_counts=None
     ) -> dict[str, float]:
-        """verl's validation metrics plus unbiased pass@k (Chen et al. 2021) beside its bootstrap ``best@k``."""
-        from gtpo.eval.metrics import validation_pass_at_k
+        """verl's validation metrics plus paper A's Table 1 columns and the unbiased pass@k ladder.
+
+        ``val-core/<data_source>/acc/{Mean@32,Pass@4,Pass@32}`` (paper A, Table 1; unbiased pass@k of Chen et al.
+        2021) and ``val-aux/<data_source>/acc/pass@{1,2,4,...}`` sit beside verl's bootstrap ``best@k``. With
+        ``trainer.validation_data_dir`` set, ``<step>.data_sources.json`` (prompt uid -> data_source) is written
+        beside verl's ``<step>.jsonl`` dump, so ``python -m gtpo.eval`` needs no ``--data`` to split benchmarks.
+        """
+        from gtpo.eval.metrics import validation_pass_at_k, validation_table1
 
         metrics = super()._val_metrics_update(
             data_sources, sample_uids, reward_extra_infos_dict, sample_turns, expected_acc_counts=expected_acc_counts
         )
         accs = reward_extra_infos_dict["acc"] if "acc" in reward_extra_infos_dict else reward_extra_infos_dict["reward"]
         # Failed sessions count as incorrect, as in verl's own acc.
-        metrics.update(validation_pass_at_k(data_sources, sample_uids, accs, expected_counts=expected_acc_counts))
+        counts = expected_acc_counts
+        metrics.update(validation_table1(data_sources, sample_uids, accs, expected_counts=counts))
+        metrics.update(validation_pass_at_k(data_sources, sample_uids, accs, expected_counts=counts, section="val-aux"))
+        val_data_dir = self.config.trainer.get("validation_data_dir", None)
+        if val_data_dir:
+            from gtpo.eval.sources import write_data_sources
+
+            write_data_sources(val_data_dir, self.global_steps, sample_uids, data_sources)
         return metrics
 
     def _compute_advantage(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 # algorithm.<block> -> (module, params dataclass). Every block is parsed even when its estimator is not selected,
 # so a typo in any knob fails at startup instead of being silently ignored.
@@ -34,6 +34,47 @@ def load_all_knobs(algorithm: DictConfig) -> dict[str, object]:
     return parsed
 
 
+def check_overlong_window(buffer_len: object, max_len: object, buffer_key: str, max_key: str) -> None:
+    """A soft overlong punishment (DAPO, arXiv 2503.14476, Sec. 3.4) needs ``0 < buffer_len < max_len``.
+
+    The penalty is 0 up to ``max_len - buffer_len`` tokens and ramps to -1 at ``max_len``; a buffer as long as the
+    response (``max_response_length=4096`` with DAPO's 4,096 buffer) penalises every response from its first token.
+
+    Raises:
+        ValueError: naming both keys and their values.
+    """
+    for key, value in ((buffer_key, buffer_len), (max_key, max_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}={value!r}: must be a positive integer (token count)")
+    if buffer_len >= max_len:
+        raise ValueError(
+            f"{buffer_key}={buffer_len} >= {max_key}={max_len}: the overlong penalty would start at token "
+            f"{max_len - buffer_len}, i.e. penalise every response; choose a buffer shorter than the response length "
+            "(DAPO: 4096 of 20480; the recipe's presets use 1024 at 4096)"
+        )
+
+
+def check_overlong_shaping(config: DictConfig) -> None:
+    """verl's DAPO reward manager: the overlong buffer is shorter than ``max_resp_len`` = the response length."""
+    reward_kwargs = OmegaConf.select(config, "reward.reward_kwargs", default=None) or {}
+    buffer = reward_kwargs.get("overlong_buffer_cfg", None) or {}
+    if not buffer.get("enable", False):
+        return
+    response_len = OmegaConf.select(config, "data.max_response_length")
+    max_resp_len = reward_kwargs.get("max_resp_len", None)
+    check_overlong_window(
+        buffer.get("len", None),
+        max_resp_len,
+        "reward.reward_kwargs.overlong_buffer_cfg.len",
+        "reward.reward_kwargs.max_resp_len",
+    )
+    if max_resp_len != response_len:
+        raise ValueError(
+            f"reward.reward_kwargs.max_resp_len={max_resp_len} != data.max_response_length={response_len}: the "
+            "overlong penalty must end where the rollout truncates (the presets set it to ${data.max_response_length})"
+        )
+
+
 def validate_recipe_config(config: DictConfig) -> None:
     """Validate the recipe-specific parts of a composed trainer config."""
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
@@ -53,6 +94,7 @@ def validate_recipe_config(config: DictConfig) -> None:
         raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r}: {err}") from None
 
     knobs = load_all_knobs(algorithm)
+    check_overlong_shaping(config)
     trainer_mode = config.trainer.get("v1", {}).get("trainer_mode", "sync")
     grop_on = bool(knobs["grop"].enable)
     if estimator in RECIPE_ESTIMATORS and trainer_mode != TRAINER_MODE:

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Evaluate a saved checkpoint the way paper A's Table 1 reports it (arXiv 2508.04349, Sec. 3.1): the launch script
+# that trained it runs verl's validation only (trainer.val_only=true) on the checkpoint, with the validation sets
+# and sampling of the launch script (AIME 2024, AIME 2025, MATH 500; T 1.0, top-p 1.0, n = 32), dumping every
+# response (trainer.validation_data_dir); then `python -m gtpo.eval` regrades the dump and prints avg@n, unbiased
+# pass@k, maj@k per benchmark and the Table 1 columns (Mean@32, Pass@4, Pass@32).
+#
+#   bash scripts/eval_checkpoint.sh scripts/run_gtpo_qwen2.5_7b.sh <ckpts>/global_step_200 [hydra overrides]
+#   EVAL_DIR=/shared/eval/gtpo-200 bash scripts/eval_checkpoint.sh ...      # where the dump and tables go
+#   DRY_RUN=1 bash scripts/eval_checkpoint.sh ...                            # resolve + validate only
+#
+# The checkpoint folder is verl's <trainer.default_local_dir>/global_step_<N>; the evaluation runs on the same
+# cluster shape as training (FSDP shards are loaded as saved). EVAL_DIR must be readable here after the run: with
+# job submission (RAY_ADDRESS=http://...) put it on storage this shell shares with the cluster.
+set -xeuo pipefail
+
+if [[ $# -lt 2 ]]; then
+    echo "usage: $0 <launch script> <checkpoint folder .../global_step_N> [hydra overrides]" >&2
+    exit 2
+fi
+launch_script=$1
+checkpoint=${2%/}
+shift 2
+if [[ "${checkpoint}" != *global_step_* ]]; then
+    echo "checkpoint=${checkpoint}: expected verl's checkpoint folder <default_local_dir>/global_step_<N>" >&2
+    exit 2
+fi
+step=${checkpoint##*global_step_}
+# Absolute paths: the launch scripts run from the repository root.
+[[ "${checkpoint}" == /* ]] || checkpoint="${PWD}/${checkpoint}"
+
+# Infrastructure
+EVAL_DIR=${EVAL_DIR:-"${checkpoint}/eval"}
+PYTHON=${PYTHON:-python3}
+EVAL_ARGS=${EVAL_ARGS:-"--sampling paper"}
+
+[[ "${EVAL_DIR}" == /* ]] || EVAL_DIR="${PWD}/${EVAL_DIR}"
+dump_dir="${EVAL_DIR}/generations"
+bash "${launch_script}" \
+    trainer.val_only=true \
+    trainer.val_before_train=true \
+    trainer.resume_mode=resume_path \
+    trainer.resume_from_path="${checkpoint}" \
+    trainer.validation_data_dir="${dump_dir}" \
+    "$@"
+
+if [[ "${DRY_RUN:-0}" == 1 || "${DRY_RUN:-0}" == true ]]; then
+    exit 0
+fi
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck disable=SC2086  # EVAL_ARGS is a list of gtpo.eval options
+"${PYTHON}" -m gtpo.eval "${dump_dir}/${step}.jsonl" --out-dir "${EVAL_DIR}" ${EVAL_ARGS}
