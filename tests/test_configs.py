@@ -12,7 +12,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "recipe" / "gtpo" / "config"
-PRESET_GROUPS = ("method", "model", "backend", "sampling")
+PRESET_GROUPS = ("method", "model", "scale", "backend", "sampling")
 
 
 def _presets(group: str) -> list[str]:
@@ -46,7 +46,7 @@ def test_recipe_config_composes_with_defaults():
 
 
 def test_every_preset_group_is_populated():
-    for group in ("method", "model", "backend", "sampling"):
+    for group in PRESET_GROUPS:
         assert _presets(group), f"configs/{group}/ has no preset"
     assert set(_presets("method")) >= {"grpo", "dapo", "dapo_forking", "gtpo", "grpo_s", "gtpo_traj"}
     assert set(_presets("model")) >= {"qwen2.5_7b", "qwen2.5_32b"}
@@ -103,3 +103,57 @@ def test_knobs_override_without_plus():
     cfg = compose(["algorithm.gtpo.alpha2=0.2", "algorithm.grpo_s.beta2=0.3"])
     assert cfg.algorithm.gtpo.alpha2 == 0.2
     assert cfg.algorithm.grpo_s.beta2 == 0.3
+
+
+@pytest.mark.parametrize("scale", ["paper", "dapo"])
+@pytest.mark.parametrize("method", ["grpo", "dapo", "dapo_forking", "gtpo", "grpo_s", "gtpo_traj"])
+@pytest.mark.parametrize("model", ["qwen2.5_7b", "qwen2.5_32b"])
+def test_scale_presets_compose_with_every_method_and_model(scale, method, model):
+    """paper is the default scale; dapo is one group choice away, for every method and model."""
+    import gtpo.verl_plugin.register  # noqa: F401
+    from gtpo.verl_plugin.validation import validate_recipe_config
+
+    cfg = compose([f"method={method}", f"model={model}", f"scale={scale}"])
+    validate_recipe_config(cfg)
+    want = {"paper": (128, 4096), "dapo": (512, 20480)}[scale]
+    assert (cfg.data.train_batch_size, cfg.data.max_response_length) == want
+    assert cfg.actor_rollout_ref.rollout.n == 16 and cfg.data.max_prompt_length == 2048
+    if scale == "paper":
+        assert cfg == compose([f"method={method}", f"model={model}"]), "scale=paper is not the default"
+
+
+def test_paper_validation_preset_with_the_three_benchmarks():
+    """sampling=paper with AIME 2024, AIME 2025 and MATH 500 as the list of validation files."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    import gtpo.verl_plugin.register  # noqa: F401
+    from gtpo.verl_plugin.validation import validate_recipe_config
+
+    files = "[d/aime2024.parquet,d/aime2025.parquet,d/math500.parquet]"
+    cfg = compose(["method=gtpo", "model=qwen2.5_7b", "sampling=paper", f"data.val_files={files}"])
+    validate_recipe_config(cfg)
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    assert list(cfg.data.val_files) == ["d/aime2024.parquet", "d/aime2025.parquet", "d/math500.parquet"]
+    val = cfg.actor_rollout_ref.rollout.val_kwargs
+    assert (val.temperature, val.top_p, val.n, val.do_sample) == (1.0, 1.0, 32, True)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (
+            ["reward.reward_kwargs.overlong_buffer_cfg.len=4096"],
+            r"overlong_buffer_cfg\.len=4096 >= .*max_resp_len=4096",
+        ),
+        (["reward.reward_kwargs.overlong_buffer_cfg.len=0"], r"overlong_buffer_cfg\.len=0: must be a positive"),
+        (["scale=dapo", "reward.reward_kwargs.max_resp_len=16384"], r"max_resp_len=16384 != data\.max_response_length"),
+    ],
+)
+def test_startup_validation_rejects_the_overlong_trap(overrides, match):
+    import gtpo.verl_plugin.register  # noqa: F401
+    from gtpo.verl_plugin.validation import validate_recipe_config
+
+    validate_recipe_config(compose(["method=dapo"]))  # the preset itself passes
+    with pytest.raises(ValueError, match=match):
+        validate_recipe_config(compose(["method=dapo", *overrides]))

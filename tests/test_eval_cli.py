@@ -136,8 +136,42 @@ def test_sampling_yaml_matches_python_presets(name):
 
 
 def test_presets_values_and_cli(capsys):
+    # paper A, Sec. 3.1: temperature 1.0, top-p 1.0; 32 samples for Mean@32 / Pass@32
+    assert (SAMPLING_PRESETS["paper"].temperature, SAMPLING_PRESETS["paper"].top_p) == (1.0, 1.0)
+    assert SAMPLING_PRESETS["paper"].n == 32 and SAMPLING_PRESETS["paper"].do_sample
     assert (SAMPLING_PRESETS["dapo"].temperature, SAMPLING_PRESETS["dapo"].top_p) == (1.0, 0.7)
     assert (SAMPLING_PRESETS["r1"].temperature, SAMPLING_PRESETS["r1"].top_p) == (0.6, 0.95)
     assert "actor_rollout_ref.rollout.val_kwargs.top_p=0.95" in hydra_overrides("r1")
     assert main(["presets"]) == 0
     assert "sampling=dapo" in capsys.readouterr().out
+
+
+def test_cli_reads_the_trainers_data_sources_and_prints_table1_columns(tmp_path, capsys):
+    """A dump with the trainer's ``<step>.data_sources.json`` beside it splits by benchmark without --data, and the
+    Table 1 columns (AIME24 Mean@n / Pass@4, MATH500 Mean@n) come out in the paper's order."""
+    from gtpo.eval.sources import read_data_sources, sidecar_path, write_data_sources
+
+    dump, _ = _write_verl_dump(tmp_path, step=7)
+    uids, sources = [], []
+    for line in dump.read_text().splitlines():
+        row = json.loads(line)
+        uids.append(row["uid"].rsplit("_", 2)[0])
+        # bench_a's problems play AIME 2024, bench_b's MATH 500
+        sources.append("math500" if "Half of one" in row["input"] else "aime2024")
+    written = write_data_sources(tmp_path, 7, uids, sources)
+    assert written == sidecar_path(dump) == tmp_path / "7.data_sources.json"
+    assert read_data_sources(dump) == dict(zip(uids, sources, strict=True))
+    with pytest.raises(ValueError, match="two data sources"):
+        write_data_sources(tmp_path / "x", 7, ["u", "u"], ["aime2024", "math500"])
+
+    out = tmp_path / "t1"
+    assert main([str(dump), "--out-dir", str(out), "--sampling", "paper", "--num-workers", "2", "--no-progress"]) == 0
+    res = json.loads((out / "eval.json").read_text())["results"]
+    assert set(res) == {"aime2024", "math500"}
+    assert res["aime2024"]["Mean@4"] == pytest.approx(3 / 8) and res["aime2024"]["Pass@4"] == 1.0
+    assert res["math500"]["Mean@4"] == pytest.approx(3 / 4)
+    printed = capsys.readouterr().out
+    assert "| AIME24 Mean@4 | AIME24 Pass@4 | AIME24 Pass@32 | MATH500 Mean@4 |" in printed
+    assert "| 37.50 | 100.00 | - | 75.00 |" in printed
+    assert printed.count("### Paper A, Table 1 columns") == 1
+    assert "Table 1 columns" in (out / "eval.md").read_text()

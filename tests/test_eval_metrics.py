@@ -18,7 +18,9 @@ from gtpo.eval.metrics import (
     pass_at_k,
     pass_at_k_mean,
     summarize_groups,
+    table1_columns,
     validation_pass_at_k,
+    validation_table1,
 )
 
 
@@ -82,6 +84,18 @@ def test_maj_at_k_uses_first_k_samples():
         maj_at_k(preds, accs, 5)
 
 
+def test_maj_at_k_first_k_differs_from_last_k():
+    """The first k samples vote, not the last k (nor all n): here the two majorities have opposite verdicts."""
+    preds = [["x", "x", "y", "y", "y"], ["p", "q", "q", "p", "p"]]
+    accs = [[True, True, False, False, False], [False, True, True, False, False]]
+    # first 2: "x" (right) and a p/q tie -> "p" (wrong); the last 2 would give "y" (wrong) and "p" (wrong)
+    assert maj_at_k(preds, accs, 2) == 0.5
+    # first 3: "x" (right) and "q" (right); the last 3 would give "y" and "p", both wrong
+    assert maj_at_k(preds, accs, 3) == 1.0
+    # all 5: "y" (wrong) and "p" (wrong)
+    assert maj_at_k(preds, accs, 5) == 0.0
+
+
 def test_summarize_groups_only_reports_k_up_to_n_min():
     accs = [[True, False, False, False, False, False], [False, False, False, True]]
     preds = [["1", "2", "2", "2", "2", "2"], ["", "9", "9", "4"]]
@@ -122,3 +136,31 @@ def test_verl_bootstrap_best_at_k_is_biased_low_and_ours_is_not():
     verl_best = process_validation_metrics(ds, uids, {"acc": accs})["d"]["acc"]["best@4/mean"]
     assert verl_best < 0.8
     assert validation_pass_at_k(ds, uids, accs)["val-core/d/acc/pass@4"] == 1.0
+
+
+def test_table1_columns_by_hand():
+    """Paper A's Table 1 columns: Mean@n over all samples, unbiased Pass@4 / Pass@32 only where n allows."""
+    # 32 samples each: 8 correct, 0 correct, 32 correct
+    groups = [[True] * 8 + [False] * 24, [False] * 32, [True] * 32]
+    out = table1_columns(groups)
+    assert set(out) == {"Mean@32", "Pass@4", "Pass@32"}
+    assert out["Mean@32"] == pytest.approx((8 / 32 + 0 + 1) / 3)
+    pass4 = 1 - math.comb(24, 4) / math.comb(32, 4)
+    assert out["Pass@4"] == pytest.approx((pass4 + 0 + 1) / 3)
+    assert out["Pass@32"] == pytest.approx(2 / 3)
+    # 4 samples per problem: Mean@4 and Pass@4, no Pass@32
+    assert table1_columns([[True, False, False, False]]) == {"Mean@4": 0.25, "Pass@4": 1.0}
+
+
+def test_validation_table1_names_and_failed_sessions():
+    ds = ["aime2024"] * 8 + ["math500"] * 4
+    uids = ["u1"] * 4 + ["u2"] * 4 + ["v1"] * 4
+    accs = [1.0, -1.0, -1.0, -1.0] + [-1.0] * 4 + [1.0, 1.0, None, -1.0]
+    m = validation_table1(ds, uids, accs, expected_counts={("math500", "v1"): 4})
+    assert m == {
+        "val-core/aime2024/acc/Mean@4": pytest.approx(0.125),
+        "val-core/aime2024/acc/Pass@4": pytest.approx(0.5),
+        # the failed session counts as incorrect: 2 of 4
+        "val-core/math500/acc/Mean@4": pytest.approx(0.5),
+        "val-core/math500/acc/Pass@4": pytest.approx(1.0),
+    }

@@ -215,14 +215,9 @@ def table1_columns(accs_per_problem: Sequence[Sequence[bool]], ks: Sequence[int]
     """Paper A's Table 1 columns for one benchmark: ``Mean@n`` (n = the largest per-problem sample count; the mean
     correctness over all samples, averaged over problems) and the unbiased ``Pass@k`` for each k <= the smallest
     per-problem sample count (Pass@4 and Pass@32 at n = 32)."""
-    if not accs_per_problem:
-        raise ValueError("no problems")
-    ns = [len(a) for a in accs_per_problem]
-    cs = [int(np.sum(np.asarray(a, dtype=bool))) for a in accs_per_problem]
-    out = {f"Mean@{max(ns)}": avg_at_n(accs_per_problem)}
-    for k in ks:
-        if 1 <= k <= min(ns):
-            out[f"Pass@{k}"] = pass_at_k_mean(ns, cs, k)
+    summary = summarize_groups(accs_per_problem, None, ks)
+    out = {f"Mean@{int(summary['n_max'])}": summary["avg@n"]}
+    out.update({f"Pass@{k}": summary[f"pass@{k}"] for k in ks if f"pass@{k}" in summary})
     return out
 
 
