@@ -26,6 +26,10 @@ if [[ "${checkpoint}" != *global_step_* ]]; then
     exit 2
 fi
 step=${checkpoint##*global_step_}
+if [[ "${JOB_NO_WAIT:-0}" == 1 ]]; then
+    echo "JOB_NO_WAIT=1: the evaluation reads the dump when the validation job has finished; unset it" >&2
+    exit 2
+fi
 # Absolute paths: the launch scripts run from the repository root.
 [[ "${checkpoint}" == /* ]] || checkpoint="${PWD}/${checkpoint}"
 

@@ -142,6 +142,7 @@ def test_shellcheck_clean():
     scripts = sorted((REPO / "scripts").glob("run_*_qwen2.5_*.sh"))
     assert len(scripts) == len(CASES)
     files = [*scripts, REPO / "scripts" / "common.sh", REPO / "scripts" / "slurm" / "ray_on_slurm.sbatch"]
+    files.append(REPO / "scripts" / "eval_checkpoint.sh")
     proc = subprocess.run(
         [shellcheck_binary(), "-x", *[str(p.relative_to(REPO)) for p in files]],
         cwd=REPO,
