@@ -14,15 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from gtpo.algorithms.trajectory import (
-    LN2,
-    GTPOTrajParams,
-    centred_advantages,
-    conflict_counts,
-    conflict_weights,
-    entropy_filter,
-    gtpo_traj_advantages,
-)
+from gtpo.algorithms.conflict_tokens import conflict_counts, conflict_weights
+from gtpo.algorithms.trajectory import LN2, GTPOTrajParams, centred_advantages, gtpo_traj_advantages
+from gtpo.algorithms.trajectory_entropy import entropy_filter
 
 A, B, C, D, X = 11, 12, 13, 14, 15
 

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from gtpo.algorithms.group_ops import group_ids
-from gtpo.algorithms.trajectory import GTPOTrajParams, _masked_row_sums, gtpo_traj_advantages, masked_mean_entropy
+from gtpo.algorithms.trajectory import GTPOTrajParams, gtpo_traj_advantages
+from gtpo.algorithms.trajectory_entropy import masked_mean_entropy, masked_row_sums
 from gtpo.verl_plugin.config import load_knobs
 
 __all__ = ["compute_gtpo_traj_advantage", "current_h_ini", "reset_h_ini", "set_h_ini", "load_params"]
@@ -125,7 +126,7 @@ def compute_gtpo_traj_advantage(
     gid, num_groups = group_ids(index)
     gid = gid.to(device)
     # row sums of rewards * mask in row chunks (no [B, L] temporary)
-    scores = _masked_row_sums(token_level_rewards, mask)[0].to(token_level_rewards.dtype)
+    scores = masked_row_sums(token_level_rewards, mask)[0].to(token_level_rewards.dtype)
     ent = entropy.to(device=device, dtype=torch.float32).detach()
 
     h_ini = params.h_ini
