@@ -22,13 +22,20 @@ Deliberate choices and deviations:
 2. A position where ``response_mask`` is 0 inside a response (multi-turn tool tokens) ends a run, exactly like a
    padding token ends it in the official code. Padding is taken from ``response_mask``, never from a pad id (the
    official code's hard-coded Llama pad id is a defect we do not reproduce).
+3. ``n_conf`` (§6.2 step 4) has two counts (:func:`run_conflict_counts`): ``union``, the number of tokens in
+   either run (``f + b - overlap``, the specification's definition), and ``official``, ``max(f, b)``, what the
+   official ``build_conflict_mask`` computes because it ORs the forward-run mask with the backward-run mask while
+   the latter is still in reversed column order (§6.5). The weights ``lambda`` are the same under both.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["conflict_weights", "conflict_parts", "conflict_counts"]
+__all__ = ["NCONF_COUNTS", "conflict_weights", "conflict_parts", "conflict_counts", "run_conflict_counts"]
+
+# How the 1/n_conf divisor counts a completion's conflict tokens (docs/ALGORITHMS.md §6.5).
+NCONF_COUNTS = ("official", "union")
 
 
 def _check_conflict_inputs(responses, response_mask, gid, num_groups, polarity) -> None:
@@ -228,3 +235,30 @@ def conflict_counts(is_conflict: torch.Tensor, polarity: torch.Tensor) -> torch.
     """
     count = is_conflict.sum(dim=-1)
     return torch.where(polarity != 0, count.clamp(min=1), torch.ones_like(count))
+
+
+@torch.no_grad()
+def run_conflict_counts(
+    f_len: torch.Tensor, b_len: torch.Tensor, last: torch.Tensor, polarity: torch.Tensor, count: str = "union"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``n_conf`` divisor from the run lengths of :func:`conflict_parts` (§6.2 step 4, §6.5).
+
+    Args:
+        f_len, b_len: ``[B]`` int64 lengths ``f`` / ``b`` of the leading (forward) and trailing (backward) runs.
+        last: ``[B]`` int64 column of each row's last valid token (-1 for an empty row).
+        polarity: ``[B]`` int8.
+        count: ``"union"``: tokens in either run, ``f + b - overlap``; ``"official"``: ``max(f, b)``, the official
+            code's count (docs/ALGORITHMS.md §6.5, worked example there).
+
+    Returns:
+        ``(n_conf, n_conflict, overlap)``, all ``[B]`` int64: the divisor (``count`` clamped to >= 1 on active rows,
+        1 on inactive ones), the number of conflict tokens (always the union) and the tokens in both runs (forward
+        run: columns ``[0, f)``; backward run: ``(last - b, last]``).
+    """
+    if count not in NCONF_COUNTS:
+        raise ValueError(f"nconf_count={count!r}: must be one of {list(NCONF_COUNTS)}")
+    overlap = (f_len + b_len - (last + 1)).clamp(min=0)
+    n_conflict = f_len + b_len - overlap
+    counted = torch.maximum(f_len, b_len) if count == "official" else n_conflict
+    n_conf = torch.where(polarity != 0, counted.clamp(min=1), torch.ones_like(counted))
+    return n_conf, n_conflict, overlap

@@ -26,29 +26,22 @@ The conflict weights live in ``gtpo.algorithms.conflict_tokens``, ``<H>_i`` and 
 
 Deliberate choices and deviations (all documented in the README's method section):
 
-1. Conflict detection never builds the ``[groups, G, G, L]`` comparison tensor of §6.6. Each valid token of an
-   active completion becomes an int64 key ``((group * W) + position) * V + token``; membership of a key in the
-   positive and in the negative key sets is a sort-based ``torch.isin``. Runs are found block by block over
-   positions with doubling block widths (32, 64, ... capped at ``max_block``), and a block only visits groups that
-   still have a row whose run is alive; memory is linear in the number of tokens and the typical cost is a few
-   dozen positions per row. The backward run is the same scan on a right-aligned copy of the responses.
-2. A position where ``response_mask`` is 0 inside a response (multi-turn tool tokens) ends a run, exactly like a
-   padding token ends it in the official code. Padding is taken from ``response_mask``, never from a pad id (the
-   official code's hard-coded Llama pad id is a defect we do not reproduce).
+1. Conflict detection (sort-based key membership, block scan; no ``[groups, G, G, L]`` tensor) and runs ended by
+   ``response_mask`` zeros, never a pad id: ``gtpo.algorithms.conflict_tokens``. ``n_conf`` is the union of the
+   two runs (``nconf_count="union"``, default under ``variant=paper``) or the official code's ``max(f, b)``
+   (``"official"``, default under ``variant=code``); see that module and docs/ALGORITHMS.md §6.5.
+2. ``<H>_ini`` and the ini gate (on at ``<H>_ini == tau``): ``gtpo.algorithms.trajectory_entropy``.
 3. Polarity comes from the *unshaped* advantage sign (as in the official code). The centred advantage is computed
    in float64 and a group whose rewards are all equal gets exactly 0 (no rounding-noise polarity); a row whose
    centred reward is within ``1e-8`` of 0 is inactive.
-4. ``<H>_ini`` (ini gate) is the mean over the first batch's completions of ``<H>_i`` (same scale as the per
-   completion comparison). At ``<H>_ini == tau`` the filter is on. The gate compares ``<H>_ini`` with ``tau``
-   (``ln 2`` under ``variant=paper``), a single threshold for both cases of the paper's ``delta``.
-5. ``agg="code_sum"`` (the official code's sum over the G completions of its one-prompt steps) is realised on top
+4. ``agg="code_sum"`` (the official code's sum over the G completions of its one-prompt steps) is realised on top
    of verl's ``seq-mean-token-mean`` (a mean over all completions of the batch) by multiplying each completion's
    advantage by its group's size, which turns the batch mean into the mean over groups of per-group sums.
    ``agg="paper_mean"`` leaves the advantages unchanged (``1/G`` per group, then the mean over prompts).
-6. None of the official code's defects (docs/ALGORITHMS.md §6.5 list) is reproduced: no reference/base model pass, no
+5. None of the official code's defects (docs/ALGORITHMS.md §6.5 list) is reproduced: no reference/base model pass, no
    debug prints, no pad-id heuristic, ordinary autograd through verl's loss (the ratio is verl's, ``exp(0) = 1``
    on-policy with ``ppo_epochs=1``).
-7. ``skip_zero_adv_groups`` zeroes the whole shaped advantage of a group whose rewards are all equal (the paper's
+6. ``skip_zero_adv_groups`` zeroes the whole shaped advantage of a group whose rewards are all equal (the paper's
    "no update"); with it off (``variant=code``) such a group keeps ``-gamma <H>_i`` (the code's push-down).
 """
 
@@ -60,7 +53,7 @@ from typing import NamedTuple
 
 import torch
 
-from gtpo.algorithms.conflict_tokens import conflict_parts, conflict_weights
+from gtpo.algorithms.conflict_tokens import NCONF_COUNTS, conflict_parts, conflict_weights, run_conflict_counts
 from gtpo.algorithms.group_ops import group_mean_std, segment_sum
 from gtpo.algorithms.trajectory_entropy import entropy_filter, masked_row_sums
 
@@ -79,6 +72,7 @@ _VARIANT_DEFAULTS = {
         "use_ini_gate": True,
         "tau": LN2,
         "divide_by_nconf": False,
+        "nconf_count": "union",
         "agg": "paper_mean",
         "skip_zero_adv_groups": True,
     },
@@ -87,6 +81,7 @@ _VARIANT_DEFAULTS = {
         "use_ini_gate": False,
         "tau": 0.7,
         "divide_by_nconf": True,
+        "nconf_count": "official",
         "agg": "code_sum",
         "skip_zero_adv_groups": False,
     },
@@ -110,6 +105,7 @@ class GTPOTrajParams:
     h_ini: float | None = None
     adv_norm: str | None = None
     divide_by_nconf: bool | None = None
+    nconf_count: str | None = None
     agg: str | None = None
     skip_zero_adv_groups: bool | None = None
     eps: float = 1e-6
@@ -140,6 +136,8 @@ class GTPOTrajParams:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be true or false")
         if self.adv_norm not in _ADV_NORMS:
             raise ValueError(f"adv_norm={self.adv_norm!r}: must be one of {list(_ADV_NORMS)}")
+        if self.nconf_count not in NCONF_COUNTS:
+            raise ValueError(f"nconf_count={self.nconf_count!r}: must be one of {list(NCONF_COUNTS)}")
         if self.agg not in _AGGS:
             raise ValueError(f"agg={self.agg!r}: must be one of {list(_AGGS)}")
         if self.h_ini is not None:
@@ -241,10 +239,7 @@ def gtpo_traj_advantages(
     lam, is_conflict, f_len, b_len, last = conflict_parts(
         responses, response_mask, gid, num_groups, polarity, params.lam_pos, params.lam_neg, 32, 4096
     )
-    # conflict counts per row from the run lengths (forward run: columns [0, f); backward: (last - b, last])
-    overlap = (f_len + b_len - (last + 1)).clamp(min=0)
-    n_conflict = f_len + b_len - overlap
-    n_conf = torch.where(polarity != 0, n_conflict.clamp(min=1), torch.ones_like(n_conflict))
+    n_conf, n_conflict, overlap = run_conflict_counts(f_len, b_len, last, polarity, params.nconf_count)
     h_sum, n_valid = masked_row_sums(entropy, response_mask)
     h_bar = (h_sum / n_valid.clamp(min=1)).to(torch.float32)
     delta = entropy_filter(h_bar, params.tau, params.use_ini_gate, h_ini)
