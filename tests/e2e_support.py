@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -102,44 +104,125 @@ class RunResult:
         return self.metrics[-1]["data"] if self.metrics else {}
 
 
-def run_recipe(
-    cluster: RayCluster,
-    workdir: Path,
-    overrides: list[str],
-    timeout: float = 600.0,
-    name: str = "run",
-) -> RunResult:
-    """Run the recipe's entry point with the CPU backend as a separate Ray job; return its logged metrics."""
+def _recipe_launch(
+    cluster: RayCluster, workdir: Path, overrides: list[str], name: str, metrics_name: str | None, log_env: dict | None
+) -> tuple[list[str], dict[str, str], Path, Path]:
+    """Command, environment, metrics path and console-log path of one recipe run (see :func:`run_recipe`)."""
     from gtpo.cpu import env as cpu_env
 
     workdir.mkdir(parents=True, exist_ok=True)
-    metrics_path = workdir / f"{name}.metrics.jsonl"
+    metrics_path = workdir / f"{metrics_name or name}.metrics.jsonl"
     log_path = workdir / f"{name}.log"
     env = dict(os.environ)
     env.update(cpu_env())
     env["RAY_ADDRESS"] = cluster.address
     env["RAY_AUTH_MODE"] = "disabled"
     env["PYTHONUNBUFFERED"] = "1"
+    log_env = {"VERL_FILE_LOGGER_PATH": str(metrics_path)} if log_env is None else log_env
     cmd = [
         PYTHON, "-m", "recipe.gtpo.main_gtpo",
         "backend=cpu_tiny",
         "ray_kwargs.ray_init.num_cpus=null",
         "ray_kwargs.ray_init.num_gpus=null",
         "trainer.logger=[console,file]",
-        f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics_path}",
+        *(f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}={v}" for k, v in log_env.items()),
         f"hydra.run.dir={workdir / 'hydra'}",
         *overrides,
     ]  # fmt: skip
+    return cmd, env, metrics_path, log_path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Every line of a file-logger JSONL, in file order (repeated steps included); a partial last line is left out."""
+    if not path.exists():
+        return []
+    records = []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+    return records
+
+
+def run_recipe(
+    cluster: RayCluster,
+    workdir: Path,
+    overrides: list[str],
+    timeout: float = 600.0,
+    name: str = "run",
+    metrics_name: str | None = None,
+    log_env: dict[str, str] | None = None,
+) -> RunResult:
+    """Run the recipe's entry point with the CPU backend as a separate Ray job; return its logged metrics.
+
+    ``metrics_name`` (default ``name``) names the file logger's JSONL, so a resumed run can share its first run's
+    log; ``log_env`` replaces the default ``VERL_FILE_LOGGER_PATH`` (e.g. ``VERL_FILE_LOGGER_ROOT`` for verl's
+    default path); ``metrics`` then stays empty.
+    """
+    cmd, env, metrics_path, log_path = _recipe_launch(cluster, workdir, overrides, name, metrics_name, log_env)
     with open(log_path, "wb") as log:
         try:
             proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
             returncode = proc.returncode
         except subprocess.TimeoutExpired:
             returncode = -9
-    metrics = []
-    if metrics_path.exists():
-        metrics = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    return RunResult(returncode=returncode, log_path=log_path, metrics=metrics)
+    return RunResult(returncode=returncode, log_path=log_path, metrics=read_metrics(metrics_path))
+
+
+class RunningRecipe:
+    """A recipe run started in the background, to be killed hard (:meth:`kill_job`) while it trains."""
+
+    def __init__(self, cluster: RayCluster, workdir: Path, overrides: list[str], name: str, log_env: dict | None):
+        cmd, env, self.metrics_path, self.log_path = _recipe_launch(cluster, workdir, overrides, name, None, log_env)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in kill_job
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_until(self, condition, timeout: float, poll: float = 0.2) -> None:
+        """Poll ``condition()`` until true; raises if the run exits first or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"run exited (rc={self.proc.returncode}) before the condition:\n{tail(self.log)}")
+            time.sleep(poll)
+        raise TimeoutError(f"condition not met after {timeout} s:\n{tail(self.log)}")
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def job_pids(self) -> set[int]:
+        """Pids of the job's Ray workers (actors and tasks): Ray prefixes their forwarded output with ``pid=N``."""
+        pids = {int(p) for p in re.findall(r"\bpid=(\d+)", self.log)}
+        alive = set()
+        for pid in pids:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmdline.startswith(b"ray::"):  # a Ray worker's process title, never the raylet or the GCS
+                alive.add(pid)
+        return alive
+
+    def kill_job(self, timeout: float = 60.0) -> set[int]:
+        """``kill -9`` the driver and every worker process of the job; wait until they are gone."""
+        workers = self.job_pids()
+        self.proc.kill()
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=timeout)
+        self._log.close()
+        deadline = time.monotonic() + timeout
+        while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return workers
 
 
 def tail(text: str, n: int = 60) -> str:

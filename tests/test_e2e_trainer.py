@@ -78,11 +78,17 @@ def test_gtpo_two_steps_then_resume(cluster, tiny_assets, tmp_path):
     assert (ckpt / "global_step_2").is_dir(), f"no checkpoint at step 2 in {ckpt}"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
+    # Same VERL_FILE_LOGGER_PATH as the first run: the resumed run appends to it (verl alone would truncate it).
     resumed = run_recipe(
-        cluster, tmp_path, common + ["trainer.total_training_steps=3", "trainer.resume_mode=auto"], name="resumed"
+        cluster,
+        tmp_path,
+        common + ["trainer.total_training_steps=3", "trainer.resume_mode=auto"],
+        name="resumed",
+        metrics_name="first",
     )
     assert_ran(resumed, steps=1)
-    assert resumed.steps() == [3], f"resume should continue at step 3, logged {resumed.steps()}"
+    assert resumed.steps() == [1, 2, 3], f"resume should keep steps 1-2 and continue at 3, logged {resumed.steps()}"
+    assert resumed.metrics[:2] == first.metrics
 
 
 def test_grpo_s_two_steps(cluster, tiny_assets, tmp_path):

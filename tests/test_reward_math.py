@@ -261,3 +261,116 @@ def test_verl_loads_it_with_reward_kwargs():
     fn = get_custom_reward_fn(cfg)
     out = fn(data_source="math", solution_str=r"\boxed{1}", ground_truth="2", extra_info={})
     assert out["score"] == 0.0 and out["grade_status"] == "ok"
+
+
+# ------------------------------------------------------------------------------------------ extraction modes
+
+# (response, gold, strict (acc, status, pred), lenient (acc, status, pred)): every step of math-verify's default
+# extraction order, and what strict mode does with it.
+EXTRACTION_CASES = [
+    # 1. \boxed first: both modes; in lenient mode a box wins over a later bare number
+    (r"so \boxed{\frac{3}{4}} of 12 eggs", "0.75", (True, "ok", r"\frac{3}{4}"), (True, "ok", r"\frac{3}{4}")),
+    # 2. "the final answer is ...": lenient only
+    (r"So the final answer is $\frac{1}{2}$.", r"\frac12", (False, "no_answer", ""), (True, "ok", r"\frac{1}{2}")),
+    # 2b. DAPO's "Answer:" line: both modes
+    ("We add them.\nAnswer: 34", "34", (True, "ok", "34"), (True, "ok", "34")),
+    # 3. the last LaTeX expression of the text
+    (r"Half of it, i.e. $\frac{3}{4}$, remains", "3/4", (False, "no_answer", ""), (True, "ok", r"\frac{3}{4}")),
+    # 3b. the last plain expression: 7, not 3
+    ("first 3 then 7", "7", (False, "no_answer", ""), (True, "ok", "7")),
+    ("first 3 then 7", "3", (False, "no_answer", ""), (False, "ok", "7")),
+    # nothing extractable
+    ("no digits here", "7", (False, "no_answer", ""), (False, "no_answer", "")),
+    ("", "7", (False, "no_answer", ""), (False, "no_answer", "")),
+]
+
+
+@pytest.mark.parametrize("response,gold,strict,lenient", EXTRACTION_CASES, ids=[f"x{i}" for i in range(8)])
+def test_extraction_modes(response, gold, strict, lenient):
+    for mode, expected in (("strict", strict), ("lenient", lenient)):
+        out = compute_score("math", response, gold, extraction=mode, timeout_s=6)
+        assert (out["acc"], out["grade_status"], out["pred"]) == expected, (mode, out)
+        assert out["score"] == (1.0 if expected[0] else -1.0)
+    assert compute_score("math", response, gold, timeout_s=6)["grade_status"] == strict[1]  # strict is the default
+
+
+def test_lenient_considers_every_box_for_a_set_gold():
+    response = r"The roots are $x = \boxed{2}$ and $x = \boxed{3}$."
+    strict = compute_score("math", response, "2, 3", timeout_s=6)
+    assert (strict["acc"], strict["pred"]) == (False, "3")  # strict: the last box only
+    lenient = compute_score("math", response, "2, 3", extraction="lenient", timeout_s=6)
+    assert lenient["acc"] is True and lenient["grade_status"] == "ok"
+    assert compute_score("math", response, "2, 4", extraction="lenient", timeout_s=6)["acc"] is False
+
+
+def test_extraction_via_reward_kwargs_batch_and_inline():
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    kwargs = {"extraction": "lenient", "timeout_s": 6}
+    cfg = OmegaConf.create(
+        {"reward": {"custom_reward_function": {"path": "pkg://gtpo.reward.math", "name": "compute_score",
+                                               "reward_kwargs": kwargs}}}
+    )  # fmt: skip
+    fn = get_custom_reward_fn(cfg)
+    assert fn(data_source="m", solution_str="the answer is 5", ground_truth="5", extra_info={})["acc"] is True
+    responses = [r for r, *_ in EXTRACTION_CASES]
+    golds = [g for _, g, *_ in EXTRACTION_CASES]
+    batch = compute_scores_batch(None, responses, golds, num_workers=2, **kwargs)
+    assert [(o["acc"], o["grade_status"], o["pred"]) for o in batch] == [c[3] for c in EXTRACTION_CASES]
+    inline = [compute_score_inline("m", r, g, **kwargs) for r, g in zip(responses, golds, strict=True)]
+    assert inline == batch
+    with pytest.raises(ValueError, match="extraction='loose'"):
+        compute_score("m", r"\boxed{1}", "1", extraction="loose")
+
+
+def test_lenient_is_bounded_and_never_raises():
+    t0 = time.monotonic()
+    out = compute_score("m", "we get " + TOWER, "5", extraction="lenient", timeout_s=3)
+    assert out["acc"] is False and out["grade_status"] in ("timeout", "no_answer", "parse_error", "ok")
+    assert time.monotonic() - t0 < 8
+    for bad in (None, b"\xff\xfe", 12345, "x" * (3 * MB)):
+        assert compute_score("m", bad, "5", extraction="lenient", timeout_s=3)["grade_status"] in GRADE_STATUSES
+
+
+# ---------------------------------------------------------------------------------------- memory ceiling
+
+# A 130,000-term sum: the worker's resident memory climbs past 250 MB while it is parsed (measured: lenient
+# mode peaks at ~255 MB in ~1 s; answer mode passes 400 MB before a 30 s limit), from ~65 MB at rest.
+BIG_SUM = "+".join(["1"] * 130_000)
+
+
+def test_worker_over_the_memory_ceiling_is_killed_and_replaced():
+    pool = GraderPool(max_workers=1, memory_limit_mb=160)
+    try:
+        assert pool.grade("5", "5", timeout_s=30) == (True, "ok")
+        pid = pool.worker_pids()[0]
+        # no soft alarm and a long hard limit: only the ceiling can end this call early
+        assert pool.grade("7", BIG_SUM, timeout_s=60, soft_timeout_s=0) == (False, "memory")
+        assert pool.n_over_memory == 1 and pool.n_killed == 1
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        assert pool.grade("5", "5", timeout_s=30) == (True, "ok")
+        assert pool.worker_pids() != [pid]
+        assert pool.grade_response("7", BIG_SUM, timeout_s=60, soft_timeout_s=0) == (False, "memory", "")
+        assert pool.n_over_memory == 2
+    finally:
+        pool.shutdown()
+
+
+def test_memory_status_reaches_the_reward_without_an_exception(monkeypatch):
+    from gtpo.reward.pool import shutdown_pool
+
+    shutdown_pool()
+    monkeypatch.setenv("GTPO_REWARD_MEMORY_MB", "160")
+    try:
+        out = compute_score("m", BIG_SUM, "7", extraction="lenient", timeout_s=60)
+        assert (out["acc"], out["grade_status"], out["score"]) == (False, "memory", -1.0)
+        assert get_pool().memory_limit_bytes == 160 * 2**20
+        assert compute_score("m", r"\boxed{7}", "7")["acc"] is True  # the replacement worker grades on
+    finally:
+        shutdown_pool()
+    monkeypatch.delenv("GTPO_REWARD_MEMORY_MB")
+    assert get_pool().memory_limit_bytes == 1024 * 2**20
+    with pytest.raises(ValueError, match="memory_limit_mb=-1"):
+        GraderPool(memory_limit_mb=-1)

@@ -14,15 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from gtpo.algorithms.trajectory import (
-    LN2,
-    GTPOTrajParams,
-    centred_advantages,
-    conflict_counts,
-    conflict_weights,
-    entropy_filter,
-    gtpo_traj_advantages,
-)
+from gtpo.algorithms.conflict_tokens import conflict_counts, conflict_weights
+from gtpo.algorithms.trajectory import LN2, GTPOTrajParams, centred_advantages, gtpo_traj_advantages
+from gtpo.algorithms.trajectory_entropy import entropy_filter
 
 A, B, C, D, X = 11, 12, 13, 14, 15
 
@@ -400,6 +394,18 @@ def test_ini_gate():
         entropy_filter(h, LN2, True, None)
 
 
+def test_ini_gate_at_exactly_tau_filters():
+    """<H>_ini == tau is the low-entropy case (the paper's delta keeps only <H>_i <= ln 2 there)."""
+    h = torch.tensor([0.2, 0.9, 0.5])
+    assert entropy_filter(h, 0.5, True, 0.5).tolist() == [1.0, 0.0, 1.0]
+    assert entropy_filter(h, 0.5, True, math.nextafter(0.5, 1.0)).tolist() == [1.0, 1.0, 1.0]
+    ids, m, gid, scores = _example_batch()
+    ent = torch.full(m.shape, 0.5)
+    ent[0] = 0.9
+    out = gtpo_traj_advantages(scores, m, ids, ent, gid, 2, _params(tau=0.5, use_ini_gate=True, h_ini=0.5))
+    assert out.delta[0] == 0.0 and out.metrics["gtpo_traj/filter_on"] == 1.0
+
+
 def test_entropy_penalty_monotone_and_zero_variance_groups():
     gid = torch.tensor([0, 0, 0, 1, 1])
     scores = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])  # group 0: all correct (zero variance)
@@ -430,7 +436,8 @@ def test_variants_differ_as_specified():
     gid = torch.tensor([0, 0, 0])
     scores = torch.tensor([1.0, 0.0, 0.0])
     ent = torch.zeros(m.shape)
-    code = gtpo_traj_advantages(scores, m, ids, ent, gid, 1, GTPOTrajParams(variant="code", gamma=0.0))
+    code_union = GTPOTrajParams(variant="code", gamma=0.0, nconf_count="union")
+    code = gtpo_traj_advantages(scores, m, ids, ent, gid, 1, code_union)
     a0 = 1.0 - 1.0 / 3.0
     # Row 0: 3 conflicts (A, B fwd; X bwd) -> n_conf 3; lambda 2 on them; x G = 3.
     torch.testing.assert_close(code.advantages[0], torch.tensor([2, 2, 1, 2]) * a0 / 3 * 3)
@@ -442,6 +449,53 @@ def test_variants_differ_as_specified():
     torch.testing.assert_close(paper.advantages[0], torch.tensor([2, 2, 1, 2]) * a0 / (std + 1e-6))
     # Row 2 "D D" (negative, no shared token with the positive row) keeps lambda 1.
     assert paper.lam[2, :2].tolist() == [1.0, 1.0]
+
+
+# §6.5 worked example: rewards [1, 1, 0, 0]; (f, b) per row = (3, 2), (2, 2), (3, 2), (1, 2).
+NCONF_EXAMPLE = [[1, 2, 3, 4, 5, 6], [1, 2, 7, 4, 5, 6], [1, 2, 3, 8, 5, 6], [1, 9, 9, 5, 6]]
+
+
+def test_official_nconf_is_max_of_the_two_runs_worked_example():
+    ids, m = _rows(NCONF_EXAMPLE)
+    gid = torch.zeros(4, dtype=torch.long)
+    scores = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    ent = torch.zeros(m.shape)
+    code = gtpo_traj_advantages(scores, m, ids, ent, gid, 1, GTPOTrajParams(variant="code", gamma=0.0))
+    assert code.n_conf.tolist() == [3, 2, 3, 2]  # max(f, b); row 0: f = 3, b = 2 -> 3
+    union = gtpo_traj_advantages(
+        scores, m, ids, ent, gid, 1, GTPOTrajParams(variant="code", gamma=0.0, nconf_count="union")
+    )
+    assert union.n_conf.tolist() == [5, 4, 5, 3]  # f + b - overlap; row 0: 5
+    # Same weights under both counts; only the divisor differs. Row 0: A = 0.5, x G = 4, / 3.
+    assert torch.equal(code.lam, union.lam)
+    assert code.lam[0].tolist() == [2.0, 2.0, 2.0, 1.0, 2.0, 2.0]
+    torch.testing.assert_close(code.advantages[0], torch.tensor([2.0, 2, 2, 1, 2, 2]) * 0.5 * 4 / 3)
+    torch.testing.assert_close(code.advantages[0] * 3, union.advantages[0] * 5)
+    # The conflict-token metric counts tokens (the union) under either divisor: 5 + 4 + 5 + 3 of 23 tokens.
+    assert code.metrics["gtpo_traj/conflict_token_frac"] == pytest.approx(17 / 23)
+
+
+def test_nconf_count_defaults_per_variant_and_validation():
+    assert GTPOTrajParams(variant="code").nconf_count == "official"
+    assert GTPOTrajParams(variant="paper").nconf_count == "union"
+    assert GTPOTrajParams(variant="paper", nconf_count="official").nconf_count == "official"
+    assert GTPOTrajParams(variant="code", nconf_count="union").nconf_count == "union"
+    with pytest.raises(ValueError, match="nconf_count='max'"):
+        GTPOTrajParams(nconf_count="max")
+
+
+def test_nconf_union_subtracts_the_overlap_of_the_two_runs():
+    """Two identical completions of opposite polarity: both runs cover every token, n_conf = L (not 2 L)."""
+    ids, m = _rows([[A, B, C], [A, B, C]])
+    gid = torch.zeros(2, dtype=torch.long)
+    params = GTPOTrajParams(variant="code", gamma=0.0, nconf_count="union")
+    out = gtpo_traj_advantages(torch.tensor([1.0, 0.0]), m, ids, torch.zeros(m.shape), gid, 1, params)
+    assert out.is_conflict.all()
+    assert out.lam.tolist() == [[4.0, 4.0, 4.0], [0.0, 0.0, 0.0]]
+    assert out.n_conf.tolist() == [3, 3]
+    assert out.metrics["gtpo_traj/conflict_token_frac"] == 1.0
+    # lambda summed over the positive row: 4 per token (both runs), 3 tokens; x |A| = 0.5, x G = 2, / n_conf = 3.
+    assert out.metrics["gtpo_traj/adv_abs_mean"] == pytest.approx(4 * 3 * 0.5 * 2 / 3 / 6)
 
 
 def test_lambda_flags_follow_unshaped_sign():

@@ -21,31 +21,27 @@ Implemented (one completion ``i`` of a group, verl's right-padded ``[B, L]`` lay
 - The two behaviours of §6.5 through ``GTPOTrajParams.variant`` (``paper`` default, ``code``), which only sets
   defaults; every knob can be overridden.
 
+The conflict weights live in ``gtpo.algorithms.conflict_tokens``, ``<H>_i`` and ``delta_i`` in
+``gtpo.algorithms.trajectory_entropy``; this module holds the knobs, the group advantage and the estimator.
+
 Deliberate choices and deviations (all documented in the README's method section):
 
-1. Conflict detection never builds the ``[groups, G, G, L]`` comparison tensor of §6.6. Each valid token of an
-   active completion becomes an int64 key ``((group * W) + position) * V + token``; membership of a key in the
-   positive and in the negative key sets is a sort-based ``torch.isin``. Runs are found block by block over
-   positions with doubling block widths (32, 64, ... capped at ``max_block``), and a block only visits groups that
-   still have a row whose run is alive; memory is linear in the number of tokens and the typical cost is a few
-   dozen positions per row. The backward run is the same scan on a right-aligned copy of the responses.
-2. A position where ``response_mask`` is 0 inside a response (multi-turn tool tokens) ends a run, exactly like a
-   padding token ends it in the official code. Padding is taken from ``response_mask``, never from a pad id (the
-   official code's hard-coded Llama pad id is a defect we do not reproduce).
+1. Conflict detection (sort-based key membership, block scan; no ``[groups, G, G, L]`` tensor) and runs ended by
+   ``response_mask`` zeros, never a pad id: ``gtpo.algorithms.conflict_tokens``. ``n_conf`` is the union of the
+   two runs (``nconf_count="union"``, default under ``variant=paper``) or the official code's ``max(f, b)``
+   (``"official"``, default under ``variant=code``); see that module and docs/ALGORITHMS.md §6.5.
+2. ``<H>_ini`` and the ini gate (on at ``<H>_ini == tau``): ``gtpo.algorithms.trajectory_entropy``.
 3. Polarity comes from the *unshaped* advantage sign (as in the official code). The centred advantage is computed
    in float64 and a group whose rewards are all equal gets exactly 0 (no rounding-noise polarity); a row whose
    centred reward is within ``1e-8`` of 0 is inactive.
-4. ``<H>_ini`` (ini gate) is the mean over the first batch's completions of ``<H>_i`` (same scale as the per
-   completion comparison). At ``<H>_ini == tau`` the filter is on. The gate compares ``<H>_ini`` with ``tau``
-   (``ln 2`` under ``variant=paper``), a single threshold for both cases of the paper's ``delta``.
-5. ``agg="code_sum"`` (the official code's sum over the G completions of its one-prompt steps) is realised on top
+4. ``agg="code_sum"`` (the official code's sum over the G completions of its one-prompt steps) is realised on top
    of verl's ``seq-mean-token-mean`` (a mean over all completions of the batch) by multiplying each completion's
    advantage by its group's size, which turns the batch mean into the mean over groups of per-group sums.
    ``agg="paper_mean"`` leaves the advantages unchanged (``1/G`` per group, then the mean over prompts).
-6. None of the official code's defects (docs/ALGORITHMS.md §6.5 list) is reproduced: no reference/base model pass, no
+5. None of the official code's defects (docs/ALGORITHMS.md §6.5 list) is reproduced: no reference/base model pass, no
    debug prints, no pad-id heuristic, ordinary autograd through verl's loss (the ratio is verl's, ``exp(0) = 1``
    on-policy with ``ppo_epochs=1``).
-7. ``skip_zero_adv_groups`` zeroes the whole shaped advantage of a group whose rewards are all equal (the paper's
+6. ``skip_zero_adv_groups`` zeroes the whole shaped advantage of a group whose rewards are all equal (the paper's
    "no update"); with it off (``variant=code``) such a group keeps ``-gamma <H>_i`` (the code's push-down).
 """
 
@@ -57,19 +53,12 @@ from typing import NamedTuple
 
 import torch
 
+from gtpo.algorithms.conflict_tokens import NCONF_COUNTS, conflict_parts, conflict_weights, run_conflict_counts
 from gtpo.algorithms.group_ops import group_mean_std, segment_sum
+from gtpo.algorithms.trajectory_entropy import entropy_filter, masked_row_sums
 
-__all__ = [
-    "LN2",
-    "GTPOTrajParams",
-    "GTPOTrajOutput",
-    "conflict_weights",
-    "conflict_counts",
-    "masked_mean_entropy",
-    "centred_advantages",
-    "entropy_filter",
-    "gtpo_traj_advantages",
-]
+# conflict_weights stays importable from here for the GTPO-token conflict-mask option.
+__all__ = ["LN2", "GTPOTrajParams", "GTPOTrajOutput", "centred_advantages", "conflict_weights", "gtpo_traj_advantages"]
 
 LN2 = math.log(2.0)
 
@@ -83,6 +72,7 @@ _VARIANT_DEFAULTS = {
         "use_ini_gate": True,
         "tau": LN2,
         "divide_by_nconf": False,
+        "nconf_count": "union",
         "agg": "paper_mean",
         "skip_zero_adv_groups": True,
     },
@@ -91,6 +81,7 @@ _VARIANT_DEFAULTS = {
         "use_ini_gate": False,
         "tau": 0.7,
         "divide_by_nconf": True,
+        "nconf_count": "official",
         "agg": "code_sum",
         "skip_zero_adv_groups": False,
     },
@@ -114,6 +105,7 @@ class GTPOTrajParams:
     h_ini: float | None = None
     adv_norm: str | None = None
     divide_by_nconf: bool | None = None
+    nconf_count: str | None = None
     agg: str | None = None
     skip_zero_adv_groups: bool | None = None
     eps: float = 1e-6
@@ -144,6 +136,8 @@ class GTPOTrajParams:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be true or false")
         if self.adv_norm not in _ADV_NORMS:
             raise ValueError(f"adv_norm={self.adv_norm!r}: must be one of {list(_ADV_NORMS)}")
+        if self.nconf_count not in NCONF_COUNTS:
+            raise ValueError(f"nconf_count={self.nconf_count!r}: must be one of {list(NCONF_COUNTS)}")
         if self.agg not in _AGGS:
             raise ValueError(f"agg={self.agg!r}: must be one of {list(_AGGS)}")
         if self.h_ini is not None:
@@ -155,235 +149,8 @@ class GTPOTrajParams:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Conflict tokens (§6.2)
+# Group advantage and the estimator (§6.3, §6.5, §6.6)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _check_conflict_inputs(responses, response_mask, gid, num_groups, polarity) -> None:
-    if responses.dim() != 2:
-        raise ValueError(f"responses must be [B, L], got shape {tuple(responses.shape)}")
-    if response_mask.shape != responses.shape:
-        raise ValueError(
-            f"response_mask shape {tuple(response_mask.shape)} != responses shape {tuple(responses.shape)}"
-        )
-    if responses.dtype.is_floating_point or responses.dtype == torch.bool:
-        raise ValueError(f"responses must hold integer token ids, got dtype {responses.dtype}")
-    b = responses.shape[0]
-    if gid.shape != (b,) or polarity.shape != (b,):
-        raise ValueError(f"gid {tuple(gid.shape)} and polarity {tuple(polarity.shape)} must both be [B]=[{b}]")
-    if b and (int(gid.min()) < 0 or int(gid.max()) >= num_groups):
-        raise ValueError(f"gid values must lie in [0, {num_groups}), got [{int(gid.min())}, {int(gid.max())}]")
-    bad = ~((polarity == 1) | (polarity == -1) | (polarity == 0))
-    if bool(bad.any()):
-        raise ValueError(f"polarity must be +1, -1 or 0, got {polarity[bad][:5].tolist()}")
-
-
-def _leading_runs(
-    tok: torch.Tensor,
-    valid: torch.Tensor,
-    gid: torch.Tensor,
-    pol: torch.Tensor,
-    last: torch.Tensor | None,
-    first_block: int,
-    max_block: int,
-) -> torch.Tensor:
-    """Leading runs of raw-conflicting tokens along one direction.
-
-    Args:
-        tok: ``[R, L]`` int64 token ids (any value where ``valid`` is False).
-        valid: ``[R, L]`` bool.
-        gid: ``[R]`` int64 group ids (rows only meet rows of the same id).
-        pol: ``[R]`` int8 polarity (+1, -1, 0).
-        last: None for the forward run (aligned position ``d`` = column ``d``); for the backward run, ``[R]`` index
-            of each row's last valid token (aligned position ``d`` = column ``last - d``; -1 for an empty row).
-        first_block, max_block: block widths over aligned positions (doubling from ``first_block`` up to
-            ``max_block``).
-
-    Returns:
-        ``(row_idx, col_idx, run_len)``: the (row, column) positions of the run tokens (column layout, active rows
-        only) and ``[R]`` int64 run lengths. Only the blocks that some run reaches are ever read, so the cost is
-        proportional to the run lengths and nothing of size ``[R, L]`` is allocated.
-    """
-    num_rows, length = tok.shape
-    device = tok.device
-    run_rows: list[torch.Tensor] = []
-    run_cols: list[torch.Tensor] = []
-    run_len = torch.zeros(num_rows, dtype=torch.long, device=device)
-    pos_row = pol > 0
-    neg_row = pol < 0
-    active = pos_row | neg_row
-    # A group can only have conflicts if it holds both polarities.
-    num_ids = int(gid.max()) + 1 if num_rows else 0
-    has_pos = torch.zeros(num_ids, dtype=torch.bool, device=device)
-    has_neg = torch.zeros_like(has_pos)
-    has_pos[gid[pos_row]] = True
-    has_neg[gid[neg_row]] = True
-    alive = active & has_pos[gid] & has_neg[gid]
-    start, width = 0, first_block
-    while start < length and bool(alive.any()):
-        end = min(length, start + width)
-        w = end - start
-        group_alive = torch.zeros(num_ids, dtype=torch.bool, device=device)
-        group_alive[gid[alive]] = True
-        rows = torch.nonzero(group_alive[gid] & active, as_tuple=True)[0]
-        d = torch.arange(start, end, device=device)
-        if last is None:
-            cols = d[None, :].expand(len(rows), w)
-            inside = torch.ones(len(rows), w, dtype=torch.bool, device=device)
-        else:
-            cols = last[rows, None] - d[None, :]
-            inside = cols >= 0
-            cols = cols.clamp(min=0)
-        sub_valid = valid[rows[:, None], cols] & inside
-        sub_tok = torch.where(sub_valid, tok[rows[:, None], cols], 0)
-        if bool(sub_valid.any()):
-            lo, hi = int(sub_tok[sub_valid].min()), int(sub_tok.max())
-            if lo < 0:
-                raise ValueError(f"responses hold a negative token id {lo} on a valid position")
-        else:
-            hi = 0
-        vocab = hi + 1
-        if num_ids * w * vocab >= 2**62:
-            raise ValueError(f"key space num_groups*block*vocab={num_ids}*{w}*{vocab} overflows int64")
-        keys = (gid[rows, None] * w + (d - start)[None, :]) * vocab + sub_tok
-        pos_keys = keys[sub_valid & pos_row[rows, None]]
-        neg_keys = keys[sub_valid & neg_row[rows, None]]
-        raw = sub_valid & torch.isin(keys, pos_keys) & torch.isin(keys, neg_keys)
-        seg = torch.cumprod(raw.to(torch.uint8), dim=1).bool() & alive[rows, None]
-        # Write back in column layout (inside the row, so no two aligned positions share a column).
-        r_idx = rows[:, None].expand(len(rows), w)
-        run_rows.append(r_idx[seg])
-        run_cols.append(cols[seg])
-        run_len.index_add_(0, rows, seg.sum(1))
-        alive[rows] = seg[:, -1]
-        start, width = end, min(2 * width, max_block)
-    if not run_rows:
-        empty = torch.zeros(0, dtype=torch.long, device=device)
-        return empty, empty, run_len
-    return torch.cat(run_rows), torch.cat(run_cols), run_len
-
-
-@torch.no_grad()
-def conflict_weights(
-    responses: torch.Tensor,
-    response_mask: torch.Tensor,
-    gid: torch.Tensor,
-    num_groups: int,
-    polarity: torch.Tensor,
-    lam_pos: float = 2.0,
-    lam_neg: float = 0.0,
-    *,
-    first_block: int = 32,
-    max_block: int = 4096,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Conflict-token weights of GTPO-trajectory (docs/ALGORITHMS.md §6.2; official ``build_conflict_mask``).
-
-    Args:
-        responses: ``[B, L]`` int64 token ids, right-padded (values under the mask's zeros are ignored).
-        response_mask: ``[B, L]`` 0/1 (bool, int or float); 1 on valid tokens, including EOS.
-        gid: ``[B]`` int64 group ids in ``0 .. num_groups - 1``; rows may come in any order, groups in any size.
-        num_groups: ``NG``.
-        polarity: ``[B]`` int8: +1 positive completion (``A_i > 0``), -1 negative (``A_i < 0``), 0 inactive.
-        lam_pos: weight of a positive completion's conflict token (paper: 2).
-        lam_neg: weight of a negative completion's conflict token (paper: 0).
-        first_block, max_block: block widths of the position scan (performance only; results do not depend on
-            them).
-
-    Returns:
-        ``(lam, is_conflict)``: ``lam`` ``[B, L]`` float32 = ``lambda_fwd * lambda_bwd * m`` (1 on the valid tokens
-        of inactive rows and of non-conflict tokens, 0 on padding); ``is_conflict`` ``[B, L]`` bool, True on tokens
-        of the leading (forward) or trailing (backward, right-aligned) run. A group without a positive or without
-        a negative completion has no conflicts.
-    """
-    lam, is_conflict, _, _, _ = _conflict_parts(
-        responses, response_mask, gid, num_groups, polarity, lam_pos, lam_neg, first_block, max_block
-    )
-    return lam, is_conflict
-
-
-def _conflict_parts(responses, response_mask, gid, num_groups, polarity, lam_pos, lam_neg, first_block, max_block):
-    """:func:`conflict_weights` plus ``[B]`` int64 forward / backward run lengths and the last valid column.
-
-    ``lam`` starts as the float mask and only the run positions are rescaled (a token in both runs twice), so
-    the cost beyond one pass over the mask is proportional to the number of conflict tokens.
-    """
-    _check_conflict_inputs(responses, response_mask, gid, num_groups, polarity)
-    if first_block < 1 or max_block < first_block:
-        raise ValueError(f"first_block={first_block}, max_block={max_block}: need 1 <= first_block <= max_block")
-    device = responses.device
-    mask = response_mask.to(device=device)
-    valid = mask if mask.dtype == torch.bool else mask.bool()
-    b, length = responses.shape
-    if length == 0 or b == 0:
-        zero = torch.zeros(b, dtype=torch.long, device=device)
-        return (
-            torch.zeros(responses.shape, dtype=torch.float32, device=device),
-            torch.zeros_like(valid),
-            zero,
-            zero,
-            zero - 1,
-        )
-    pol = polarity.to(device=device, dtype=torch.int8)
-    gid = gid.to(device=device, dtype=torch.long)
-    # Index of each row's last valid token (-1 for an empty row); the backward run is right-aligned on it.
-    last = (length - 1) - valid.view(torch.uint8).flip(1).argmax(dim=1)
-    last = torch.where(valid[torch.arange(b, device=device), last], last, torch.full_like(last, -1))
-
-    f_rows, f_cols, f_len = _leading_runs(responses, valid, gid, pol, None, first_block, max_block)
-    b_rows, b_cols, b_len = _leading_runs(responses, valid, gid, pol, last, first_block, max_block)
-
-    lam_c = torch.where(pol > 0, lam_pos, lam_neg).to(torch.float32)
-    lam = valid.to(torch.float32)
-    is_conflict = torch.zeros_like(valid)
-    for rows, cols in ((f_rows, f_cols), (b_rows, b_cols)):
-        if rows.numel():
-            lam[rows, cols] = lam[rows, cols] * lam_c[rows]
-            is_conflict[rows, cols] = True
-    return lam, is_conflict, f_len, b_len, last
-
-
-@torch.no_grad()
-def conflict_counts(is_conflict: torch.Tensor, polarity: torch.Tensor) -> torch.Tensor:
-    """``n_conf`` per row (§6.2 step 4): number of conflict tokens, clamped to >= 1; inactive rows give 1.
-
-    Args:
-        is_conflict: ``[B, L]`` bool from :func:`conflict_weights`.
-        polarity: ``[B]`` int8.
-
-    Returns:
-        ``[B]`` int64 divisor (the official code stores 0 for inactive rows and treats it as 1; the divisor is the
-        same).
-    """
-    count = is_conflict.sum(dim=-1)
-    return torch.where(polarity != 0, count.clamp(min=1), torch.ones_like(count))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Entropy filter, penalty and advantages (§6.3, §6.5, §6.6)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def masked_mean_entropy(entropy: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """``<H>_i``: mean token entropy over the valid tokens of each row; ``[B, L] -> [B]`` float32 (0 if empty)."""
-    total, count = _masked_row_sums(entropy, response_mask)
-    return (total / count.clamp(min=1)).to(torch.float32)
-
-
-def _masked_row_sums(x: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum_t x * m, sum_t m)`` per row as float64 ``[B]``, in row chunks (no ``[B, L]`` temporary)."""
-    b, length = x.shape
-    total = torch.zeros(b, dtype=torch.float64, device=x.device)
-    count = torch.zeros(b, dtype=torch.float64, device=x.device)
-    step = max(1, (1 << 21) // max(length, 1)) if x.device.type == "cpu" else max(b, 1)
-    for r0 in range(0, b, step):
-        r1 = min(b, r0 + step)
-        m = response_mask[r0:r1].to(device=x.device, dtype=torch.float32)
-        xs = x[r0:r1].detach()
-        xs = xs.to(torch.float32) if xs.dtype not in (torch.float32, torch.float64) else xs
-        total[r0:r1] = (xs * m.to(xs.dtype)).sum(-1, dtype=torch.float64)
-        count[r0:r1] = m.sum(-1, dtype=torch.float64)
-    return total, count
 
 
 @torch.no_grad()
@@ -415,27 +182,6 @@ def centred_advantages(
     polarity = torch.sign(centred).to(torch.int8)
     adv = centred / (std[gid] + eps) if adv_norm == "std" else centred
     return adv.to(torch.float32), polarity, zero_var
-
-
-@torch.no_grad()
-def entropy_filter(mean_entropy: torch.Tensor, tau: float, use_ini_gate: bool, h_ini: float | None) -> torch.Tensor:
-    """``delta_i`` (§6.1 / §6.3): 1 keeps completion ``i``, 0 drops it.
-
-    Args:
-        mean_entropy: ``[B]`` ``<H>_i``.
-        tau: threshold (kept when ``<H>_i <= tau``; ``inf`` disables the filter).
-        use_ini_gate: the paper's 3-case ``delta``: filter only when ``<H>_ini <= tau``, else keep every completion.
-        h_ini: ``<H>_ini`` (required when ``use_ini_gate``).
-
-    Returns:
-        ``[B]`` float32 in {0, 1}.
-    """
-    if use_ini_gate:
-        if h_ini is None:
-            raise ValueError("h_ini=None: the ini gate needs the initial model's mean entropy")
-        if h_ini > tau:
-            return torch.ones_like(mean_entropy, dtype=torch.float32)
-    return (mean_entropy <= tau).to(torch.float32)
 
 
 class GTPOTrajOutput(NamedTuple):
@@ -490,14 +236,11 @@ def gtpo_traj_advantages(
         h_ini = params.h_ini
 
     adv, polarity, zero_var = centred_advantages(scores, gid, num_groups, params.adv_norm, params.eps)
-    lam, is_conflict, f_len, b_len, last = _conflict_parts(
+    lam, is_conflict, f_len, b_len, last = conflict_parts(
         responses, response_mask, gid, num_groups, polarity, params.lam_pos, params.lam_neg, 32, 4096
     )
-    # conflict counts per row from the run lengths (forward run: columns [0, f); backward: (last - b, last])
-    overlap = (f_len + b_len - (last + 1)).clamp(min=0)
-    n_conflict = f_len + b_len - overlap
-    n_conf = torch.where(polarity != 0, n_conflict.clamp(min=1), torch.ones_like(n_conflict))
-    h_sum, n_valid = _masked_row_sums(entropy, response_mask)
+    n_conf, n_conflict, overlap = run_conflict_counts(f_len, b_len, last, polarity, params.nconf_count)
+    h_sum, n_valid = masked_row_sums(entropy, response_mask)
     h_bar = (h_sum / n_valid.clamp(min=1)).to(torch.float32)
     delta = entropy_filter(h_bar, params.tau, params.use_ini_gate, h_ini)
 

@@ -62,6 +62,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gtpo.verl_plugin.file_log import read_file_log
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 DEMO_VERSION = 1
@@ -392,13 +394,10 @@ def load_rewards(metrics_path: str | os.PathLike, key: str = REWARD_KEY) -> list
 
 
 def file_logger_records(path: Path) -> Iterator[tuple[dict, object]]:
-    """``(record, data)`` per parseable line of verl's file-logger JSONL; a line still being written is skipped."""
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        yield rec, rec.get("data", rec)
+    """``(record, data)`` per step of verl's file-logger JSONL (``file_log.read_file_log``: a resumed run's repeated
+    step counts once, the later record wins); a line still being written is skipped."""
+    for step, data in read_file_log(path, strict=False):
+        yield {"step": step, "data": data}, data
 
 
 def summarize(rewards: list[tuple[int, float]], window: int = 10, target: float = 0.8) -> dict:

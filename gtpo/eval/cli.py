@@ -4,6 +4,7 @@ Usage::
 
     python -m gtpo.eval DUMP [DUMP ...] [--data PARQUET ...] [--out-dir DIR] [--ks 1,2,4,8,16,32]
                         [--sampling paper|dapo|r1] [--no-regrade] [--num-workers N] [--timeout-s S]
+                        [--extraction lenient|strict]
     python -m gtpo.eval presets          # the named sampling presets and their verl overrides
 
 Accepted inputs (JSONL or parquet, one or more files of ONE evaluation run):
@@ -174,8 +175,13 @@ def evaluate(
     num_workers: int | None = None,
     timeout_s: float | None = None,
     progress: bool = False,
+    extraction: str = "lenient",
 ) -> dict[str, dict]:
-    """Per data source: metrics of ``summarize_groups`` plus ``grade_status`` counts (when regraded)."""
+    """Per data source: metrics of ``summarize_groups`` plus ``grade_status`` counts (when regraded).
+
+    ``extraction``: the reward's answer extraction when regrading (``gtpo.reward.math``): ``lenient``
+    (math-verify's own order, the evaluation default) or ``strict`` (the training reward's boxed / Answer-line).
+    """
     from gtpo.reward.extract import normalize_for_vote
 
     statuses: list[str | None] = [None] * len(samples)
@@ -183,6 +189,7 @@ def evaluate(
         from gtpo.reward.math import compute_scores_batch
 
         kwargs = {"timeout_s": timeout_s} if timeout_s else {}
+        kwargs["extraction"] = extraction
         outs = compute_scores_batch(
             None,
             [s.response for s in samples],
@@ -305,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-regrade", action="store_true", help="use the dump's acc/pred instead of regrading")
     parser.add_argument("--num-workers", type=int, default=None, help="grading processes (default: all cores)")
     parser.add_argument("--timeout-s", type=float, default=None, help="hard limit per graded response")
+    parser.add_argument(
+        "--extraction",
+        default="lenient",
+        choices=["lenient", "strict"],
+        help="answer extraction when regrading: lenient (math-verify's order) or strict (the training reward's)",
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     try:
@@ -316,7 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         if not samples:
             raise ValueError("no rows in the given files")
         _attach_data_sources(samples, args.data, args.data_source)
-        report = evaluate(samples, ks, not args.no_regrade, args.num_workers, args.timeout_s, not args.no_progress)
+        report = evaluate(
+            samples, ks, not args.no_regrade, args.num_workers, args.timeout_s, not args.no_progress, args.extraction
+        )
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -325,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     title = ", ".join(Path(d).name for d in args.dumps)
     meta: dict[str, Any] = {"inputs": [str(d) for d in args.dumps], "ks": list(ks), "regraded": not args.no_regrade}
+    if not args.no_regrade:
+        meta["extraction"] = args.extraction
     if args.sampling:
         preset = get_preset(args.sampling)
         meta["sampling"] = preset.as_dict()

@@ -4,6 +4,7 @@ verl config: ``reward.custom_reward_function.path=pkg://gtpo.reward.math`` and `
 """
 
 from gtpo.reward.math import (
+    EXTRACTIONS,
     GRADE_STATUSES,
     RESULT_KEYS,
     compute_score,
@@ -13,6 +14,7 @@ from gtpo.reward.math import (
 )
 
 __all__ = [
+    "EXTRACTIONS",
     "GRADE_STATUSES",
     "RESULT_KEYS",
     "compute_score",

@@ -1,8 +1,9 @@
 """Grading worker process: ``python -m gtpo.reward._worker`` (started by ``gtpo.reward.pool``; not a user CLI).
 
 Protocol on stdin/stdout: frames of ``gtpo.reward._protocol`` (8-byte length, pickle). After start-up the worker
-sends ``("ready", pid)``; then for each job ``(gold, pred, parse_timeout, verify_timeout)`` it answers
-``(acc, status)``. EOF on stdin, or the parent process disappearing (PR_SET_PDEATHSIG on Linux, plus a polling
+sends ``("ready", pid)``; then for each job ``("answer", gold, pred, parse_timeout, verify_timeout)`` it answers
+``(acc, status)`` (``grader.grade_pair``) and for ``("response", gold, response, ...)`` ``(acc, status, pred)``
+(``grader.grade_response``). EOF on stdin, or the parent process disappearing (PR_SET_PDEATHSIG on Linux, plus a polling
 watchdog), ends the worker. Anything libraries print to
 stdout is redirected to stderr so it cannot corrupt the frames. Grading runs on this process's main thread, so
 math-verify's SIGALRM timeouts work here; the parent kills the process if they do not fire in time.
@@ -50,7 +51,7 @@ def main() -> None:
     _die_with_parent(parent_pid)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
 
-    from gtpo.reward.grader import grade_pair, silence_math_verify
+    from gtpo.reward.grader import grade_pair, grade_response, silence_math_verify
 
     silence_math_verify()
     # warm the lazy imports of math-verify/sympy before declaring readiness
@@ -63,11 +64,14 @@ def main() -> None:
         body = read_exact(0, HEADER.unpack(header)[0])
         if body is None:
             return
-        gold, pred, parse_timeout, verify_timeout = pickle.loads(body)
+        kind, gold, text, parse_timeout, verify_timeout = pickle.loads(body)
         try:
-            result = grade_pair(gold, pred, parse_timeout, verify_timeout)
+            if kind == "response":
+                result = grade_response(gold, text, parse_timeout, verify_timeout)
+            else:
+                result = grade_pair(gold, text, parse_timeout, verify_timeout)
         except BaseException as exc:  # noqa: BLE001 - any failure is a verdict, never a dead worker
-            result = (False, f"error:{type(exc).__name__}")
+            result = (False, f"error:{type(exc).__name__}", "")
         write_all(out_fd, encode(result))
 
 

@@ -9,7 +9,8 @@ than an earlier, intermediate box.
 Deliberate choices (documented because graders differ here):
 
 * No credit for unanchored answers: a response without ``\\boxed{}`` and without an ``Answer:`` line has no answer
-  (math-verify's default would grade the last number in the text).
+  (math-verify's default would grade the last number in the text). This is the reward's ``extraction="strict"``;
+  ``extraction="lenient"`` skips this module and uses math-verify's own extraction (``gtpo.reward.grader``).
 * Size caps: only the last ``MAX_RESPONSE_CHARS`` characters of a response are searched (the answer sits at the
   end; a 1 MB response costs milliseconds), and an extracted answer longer than ``MAX_ANSWER_CHARS`` is rejected
   as ``too_long`` (no benchmark gold is longer than ~100 characters; long candidates only feed sympy blow-ups).

@@ -1,4 +1,4 @@
-"""Rule-based math reward for verl: last ``\\boxed{}`` / DAPO ``Answer:`` line, math-verify equivalence, hard timeouts.
+"""Rule-based math reward for verl: strict or lenient answer extraction, math-verify equivalence, hard limits.
 
 Entry points (verl's custom-reward signature ``fn(data_source, solution_str, ground_truth, extra_info=None,
 **kwargs)``; verl merges ``reward.custom_reward_function.reward_kwargs`` into ``kwargs``):
@@ -15,27 +15,42 @@ Result (same keys on every call, JSON/numpy friendly): ``score`` (float; +1/-1 b
 it) and ``grade_status``: ``ok`` (verdict reached), ``no_answer`` (no box / Answer line), ``too_long`` (answer or
 gold over ``MAX_ANSWER_CHARS``), ``unclosed`` (last box never closes), ``parse_error`` (answer does not parse),
 ``gold_error`` (gold does not parse), ``timeout`` (hard or soft time limit hit), ``busy`` (no worker free in time),
-``error`` (worker crashed). Everything but ``ok``-and-equivalent scores as incorrect. Grading never raises and
-never hangs: each call ends within ``timeout_s`` (default 10 s) of reaching a worker (see ``gtpo.reward.pool``).
+``error`` (worker crashed), ``memory`` (the grading worker went over its memory ceiling and was replaced).
+Everything but ``ok``-and-equivalent scores as incorrect. Grading never raises and never hangs: each call ends
+within ``timeout_s`` (default 10 s) of reaching a worker, in a worker process with a memory ceiling (see
+``gtpo.reward.pool``).
+
+Extraction (``extraction=...``):
+
+* ``"strict"`` (default, for training: format discipline, DAPO's convention): only the last ``\\boxed{}`` or the
+  last DAPO ``Answer:`` line counts (``gtpo.reward.extract``); a response without either is ``no_answer``.
+* ``"lenient"`` (for evaluation; ``python -m gtpo.eval`` uses it by default): math-verify's own default extraction
+  on the whole response (``gtpo.reward.grader.grade_response``): ``\\boxed`` first, with every box considered
+  (``\\boxed{2}`` and ``\\boxed{3}`` form the set that matches the gold ``2, 3``), then "final answer is ..." /
+  "answer: ..." lines, then the last LaTeX or plain expression. ``pred`` is the matched text. Same time limits,
+  same pool, same memory ceiling, same never-raises guarantee.
 
 Options (kwargs, i.e. ``reward_kwargs``; ``score_mode`` may also come per row from ``extra_info["score_mode"]``):
-``score_mode`` ("pm1" | "binary"), ``timeout_s`` (float seconds per call), ``num_workers`` (pool size at first use;
-env ``GTPO_REWARD_WORKERS``). Unknown kwargs (e.g. verl's ``reward_router_address``) are ignored.
+``score_mode`` ("pm1" | "binary"), ``extraction`` ("strict" | "lenient"), ``timeout_s`` (float seconds per call),
+``num_workers`` (pool size at first use; env ``GTPO_REWARD_WORKERS``); the memory ceiling per worker comes from
+env ``GTPO_REWARD_MEMORY_MB``. Unknown kwargs (e.g. verl's ``reward_router_address``) are ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from gtpo.reward.extract import MAX_ANSWER_CHARS, clean_answer, extract_answer
+from gtpo.reward.extract import MAX_ANSWER_CHARS, MAX_RESPONSE_CHARS, clean_answer, extract_answer
 from gtpo.reward.pool import get_pool
 
 __all__ = [
+    "EXTRACTIONS",
     "GRADE_STATUSES",
     "RESULT_KEYS",
     "compute_score",
@@ -55,7 +70,9 @@ GRADE_STATUSES = (
     "timeout",
     "busy",
     "error",
+    "memory",
 )
+EXTRACTIONS = ("strict", "lenient")
 _SCORES = {"pm1": (1.0, -1.0), "binary": (1.0, 0.0)}
 DEFAULT_TIMEOUT_S = float(os.environ.get("GTPO_REWARD_TIMEOUT_S", "10"))
 
@@ -74,6 +91,13 @@ def _resolve_mode(extra_info: Any, kwargs: dict) -> tuple[float, float]:
     if mode not in _SCORES:
         raise ValueError(f"score_mode={mode!r}: expected one of {sorted(_SCORES)}")
     return _SCORES[mode]
+
+
+def _resolve_extraction(kwargs: dict) -> str:
+    extraction = kwargs.get("extraction") or "strict"
+    if extraction not in EXTRACTIONS:
+        raise ValueError(f"extraction={extraction!r}: expected one of {list(EXTRACTIONS)}")
+    return extraction
 
 
 def _resolve_timeout(kwargs: dict) -> float:
@@ -111,23 +135,35 @@ def _result(acc: bool, pred: str | None, status: str, scores: tuple[float, float
     return {"score": scores[0] if acc else scores[1], "acc": bool(acc), "pred": pred or "", "grade_status": status}
 
 
+def _check_golds(golds: list[str]) -> str:
+    if any(len(g) > MAX_ANSWER_CHARS for g in golds):
+        return "too_long"
+    return "ok" if any(golds) else "gold_error"
+
+
 def _prepare(solution_str: Any, ground_truth: Any) -> tuple[str | None, str, list[str]]:
+    """Strict mode: the extracted answer, its status and the golds."""
     pred, status = extract_answer(_as_text(solution_str))
     golds = _golds(ground_truth)
-    if status == "ok" and any(len(g) > MAX_ANSWER_CHARS for g in golds):
-        status = "too_long"
-    elif status == "ok" and not any(golds):
-        status = "gold_error"
+    if status == "ok":
+        status = _check_golds(golds)
     return pred, status, golds
 
 
-def _grade_cached(grade_fn, gold: str, pred: str) -> tuple[bool, str]:
-    key = (gold, pred)
+def _prepare_lenient(solution_str: Any, ground_truth: Any) -> tuple[str, str, list[str]]:
+    """Lenient mode: the response tail (the same ``MAX_RESPONSE_CHARS`` as strict), its status and the golds."""
+    text = _as_text(solution_str)[-MAX_RESPONSE_CHARS:]
+    golds = _golds(ground_truth)
+    status = _check_golds(golds) if text.strip() else "no_answer"
+    return text, status, golds
+
+
+def _grade_cached(grade_fn, gold: str, text: str, key: tuple) -> tuple:
     with _CACHE_LOCK:
         hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    verdict = grade_fn(gold, pred)
+    verdict = grade_fn(gold, text)
     if verdict[1] in _CACHEABLE:
         with _CACHE_LOCK:
             if len(_CACHE) >= _CACHE_MAX:
@@ -136,16 +172,36 @@ def _grade_cached(grade_fn, gold: str, pred: str) -> tuple[bool, str]:
     return verdict
 
 
-def _grade_any(grade_fn, golds: list[str], pred: str) -> tuple[bool, str]:
-    """True if pred matches any gold; the status of the last attempt otherwise."""
-    status = "gold_error"
+def _grade_any(grade_fn, golds: list[str], text: str, lenient: bool = False) -> tuple:
+    """``(True, "ok", ...)`` if ``text`` matches any gold; the verdict of the last attempt otherwise.
+
+    ``grade_fn(gold, text)`` returns ``(acc, status)`` (strict: ``text`` is the extracted answer) or ``(acc,
+    status, pred)`` (lenient: ``text`` is the response, keyed in the cache by its digest).
+    """
+    verdict: tuple = (False, "gold_error", "") if lenient else (False, "gold_error")
+    digest = hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=16).digest() if lenient else None
     for gold in golds:
         if not gold:
             continue
-        acc, status = _grade_cached(grade_fn, gold, pred)
-        if acc:
-            return True, "ok"
-    return False, status
+        verdict = _grade_cached(grade_fn, gold, text, (gold, "lenient", digest) if lenient else (gold, text))
+        if verdict[0]:
+            return (True, "ok", *verdict[2:])
+    return verdict
+
+
+def _score_one(solution_str: Any, ground_truth: Any, scores, extraction: str, grade_answer, grade_response) -> dict:
+    """One result dict; ``grade_answer(gold, pred)`` / ``grade_response(gold, response)`` grade a pair."""
+    if extraction == "lenient":
+        text, status, golds = _prepare_lenient(solution_str, ground_truth)
+        if status != "ok":
+            return _result(False, None, status, scores)
+        acc, status, pred = _grade_any(grade_response, golds, text, lenient=True)
+        return _result(acc, pred, status, scores)
+    pred, status, golds = _prepare(solution_str, ground_truth)
+    if status != "ok":
+        return _result(False, pred, status, scores)
+    acc, status = _grade_any(grade_answer, golds, pred)
+    return _result(acc, pred, status, scores)
 
 
 def compute_score(
@@ -158,17 +214,22 @@ def compute_score(
     """Score one response (verl custom-reward signature). Never raises on bad inputs; bounded time.
 
     Raises:
-        ValueError: only for invalid options (``score_mode``, ``timeout_s``), i.e. configuration errors.
+        ValueError: only for invalid options (``score_mode``, ``extraction``, ``timeout_s``), i.e. configuration
+            errors.
     """
     scores = _resolve_mode(extra_info, kwargs)
+    extraction = _resolve_extraction(kwargs)
     timeout_s = _resolve_timeout(kwargs)
     try:
-        pred, status, golds = _prepare(solution_str, ground_truth)
-        if status != "ok":
-            return _result(False, pred, status, scores)
         pool = get_pool(kwargs.get("num_workers"))
-        acc, status = _grade_any(partial(pool.grade, timeout_s=timeout_s), golds, pred)
-        return _result(acc, pred, status, scores)
+        return _score_one(
+            solution_str,
+            ground_truth,
+            scores,
+            extraction,
+            partial(pool.grade, timeout_s=timeout_s),
+            partial(pool.grade_response, timeout_s=timeout_s),
+        )
     except Exception:  # noqa: BLE001 - a reward must never take the training step down
         return _result(False, None, "error", scores)
 
@@ -212,16 +273,20 @@ def compute_score_inline(
 
     Meant for single-process benchmarks and debugging, not for reward workers.
     """
-    from gtpo.reward.grader import grade_pair
+    from gtpo.reward.grader import grade_pair, grade_response
 
     scores = _resolve_mode(extra_info, kwargs)
+    extraction = _resolve_extraction(kwargs)
     soft = max(1, int(_resolve_timeout(kwargs) // 3))
     try:
-        pred, status, golds = _prepare(solution_str, ground_truth)
-        if status != "ok":
-            return _result(False, pred, status, scores)
-        acc, status = _grade_any(partial(grade_pair, parse_timeout=soft, verify_timeout=soft), golds, pred)
-        return _result(acc, pred, status, scores)
+        return _score_one(
+            solution_str,
+            ground_truth,
+            scores,
+            extraction,
+            partial(grade_pair, parse_timeout=soft, verify_timeout=soft),
+            partial(grade_response, parse_timeout=soft, verify_timeout=soft),
+        )
     except Exception:  # noqa: BLE001
         return _result(False, None, "error", scores)
 
@@ -252,23 +317,22 @@ def compute_scores_batch(
         raise ValueError(f"len(extra_infos)={len(extra_infos)} != len(solution_strs)={n}")
     extra_infos = extra_infos if extra_infos is not None else [None] * n
     all_scores = [_resolve_mode(info, kwargs) for info in extra_infos]
+    extraction = _resolve_extraction(kwargs)
     timeout_s = _resolve_timeout(kwargs)
     n_workers = int(num_workers or os.cpu_count() or 1)
     pool = get_pool(n_workers)
     pool.max_workers = max(pool.max_workers, n_workers)
 
-    prepared = [_prepare(s, g) for s, g in zip(solution_strs, ground_truths, strict=True)]
-    grade_fn = partial(pool.grade, timeout_s=timeout_s)
+    grade_answer = partial(pool.grade, timeout_s=timeout_s)
+    grade_response = partial(pool.grade_response, timeout_s=timeout_s)
 
     def run(i: int) -> dict:
-        pred, status, golds = prepared[i]
         try:
-            if status != "ok":
-                return _result(False, pred, status, all_scores[i])
-            acc, status = _grade_any(grade_fn, golds, pred)
-            return _result(acc, pred, status, all_scores[i])
+            return _score_one(
+                solution_strs[i], ground_truths[i], all_scores[i], extraction, grade_answer, grade_response
+            )
         except Exception:  # noqa: BLE001
-            return _result(False, pred, "error", all_scores[i])
+            return _result(False, None, "error", all_scores[i])
 
     results: list[dict | None] = [None] * n
     with ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="gtpo-grade") as ex:

@@ -17,7 +17,16 @@ Design points:
   long-lived spawner thread; needed because a worker stuck in C code holds the GIL and cannot notice anything).
 * Thread-safe: any number of threads may call ``grade`` concurrently; each blocks only on its own worker.
 * Bounds per call: waiting for a free worker is bounded by ``queue_timeout_s`` (status ``busy``), starting a worker
-  by ``start_timeout_s`` (status ``error``), grading by ``timeout_s`` (status ``timeout``).
+  by ``start_timeout_s`` (status ``error``), grading by ``timeout_s`` (status ``timeout``), and the worker's memory
+  by ``memory_limit_mb`` (status ``memory``).
+* Memory ceiling: while a call waits for its answer, the worker's resident set (``/proc/<pid>/statm``) is read
+  every 50 ms; over ``memory_limit_mb`` (default 1024, env ``GTPO_REWARD_MEMORY_MB``, 0 = none) the worker is
+  SIGKILLed like a timed-out one and replaced on demand. Polling the RSS from the parent was chosen over
+  ``RLIMIT_AS`` in the worker: an address-space limit surfaces as a ``MemoryError`` that math-verify's own
+  ``except Exception`` swallows (the call would score as an ordinary parse failure and the worker keep a damaged
+  heap), and it counts reserved, untouched address space. Without ``/proc`` (not Linux) there is no ceiling.
+* Two kinds of job: ``grade`` (an extracted answer, strict mode) and ``grade_response`` (a whole response graded
+  with math-verify's own extraction, lenient mode); same limits for both.
 """
 
 from __future__ import annotations
@@ -36,20 +45,46 @@ from pathlib import Path
 from gtpo.reward._protocol import HEADER as _HEADER
 from gtpo.reward._protocol import encode, write_all
 
-__all__ = ["GraderPool", "default_num_workers", "get_pool", "shutdown_pool"]
+__all__ = ["GraderPool", "default_memory_limit_mb", "default_num_workers", "get_pool", "shutdown_pool"]
 
 _PKG_PARENT = str(Path(__file__).resolve().parents[2])
+# How often a waiting call reads its worker's resident set size.
+_MEMORY_POLL_S = 0.05
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# Returned by _Worker._recv when the worker went over the memory ceiling.
+_OVER_MEMORY = object()
+
+
+def _env_number(name: str, cast, minimum: float, rule: str):
+    """``cast(os.environ[name])`` checked against ``minimum``; None when unset."""
+    env = os.environ.get(name)
+    if not env:
+        return None
+    value = cast(env)
+    if value < minimum:
+        raise ValueError(f"{name}={env}: must be {rule}")
+    return value
+
+
+def default_memory_limit_mb() -> float:
+    """``GTPO_REWARD_MEMORY_MB`` if set (0 = no ceiling), else 1024 MB of resident memory per grading worker."""
+    mb = _env_number("GTPO_REWARD_MEMORY_MB", float, 0.0, ">= 0 (0: no ceiling)")
+    return 1024.0 if mb is None else mb
+
+
+def _rss_bytes(pid: int) -> int | None:
+    """Resident set size of ``pid`` (Linux ``/proc``); None if unavailable."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE_BYTES
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def default_num_workers() -> int:
     """``GTPO_REWARD_WORKERS`` if set, else min(8, cpu count): verl runs several reward actors per node."""
-    env = os.environ.get("GTPO_REWARD_WORKERS")
-    if env:
-        n = int(env)
-        if n < 1:
-            raise ValueError(f"GTPO_REWARD_WORKERS={env}: must be >= 1")
-        return n
-    return max(1, min(8, os.cpu_count() or 1))
+    n = _env_number("GTPO_REWARD_WORKERS", int, 1, ">= 1")
+    return max(1, min(8, os.cpu_count() or 1)) if n is None else n
 
 
 class _Worker:
@@ -78,8 +113,8 @@ class _Worker:
             self.kill()
             raise RuntimeError(f"grading worker failed to start (got {msg!r})")
 
-    def _recv(self, deadline: float):
-        """Read one frame; ``None`` on timeout or EOF."""
+    def _recv(self, deadline: float, memory_limit_bytes: int | None = None):
+        """Read one frame; ``None`` on timeout or EOF, ``_OVER_MEMORY`` once the worker's RSS passes the limit."""
         buf = bytearray()
         need = _HEADER.size
         header_done = False
@@ -88,9 +123,12 @@ class _Worker:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
-                ready, _, _ = select.select([self.rfd], [], [], remaining)
+                wait = remaining if memory_limit_bytes is None else min(remaining, _MEMORY_POLL_S)
+                ready, _, _ = select.select([self.rfd], [], [], wait)
                 if not ready:
-                    return None
+                    if memory_limit_bytes is not None and (_rss_bytes(self.proc.pid) or 0) > memory_limit_bytes:
+                        return _OVER_MEMORY
+                    continue
                 chunk = os.read(self.rfd, need - len(buf))
                 if not chunk:
                     return None
@@ -101,12 +139,12 @@ class _Worker:
             buf = buf[_HEADER.size :]
             header_done = True
 
-    def request(self, job: tuple, timeout_s: float):
+    def request(self, job: tuple, timeout_s: float, memory_limit_bytes: int | None = None):
         try:
             write_all(self.wfd, encode(job))
         except OSError:
             return None
-        return self._recv(time.monotonic() + timeout_s)
+        return self._recv(time.monotonic() + timeout_s, memory_limit_bytes)
 
     def kill(self) -> None:
         try:
@@ -132,11 +170,17 @@ class _Worker:
 class GraderPool:
     """Pool of grading subprocesses; ``grade`` is thread-safe and always returns within its bounds."""
 
-    def __init__(self, max_workers: int | None = None, start_timeout_s: float = 120.0):
+    def __init__(
+        self, max_workers: int | None = None, start_timeout_s: float = 120.0, memory_limit_mb: float | None = None
+    ):
         self.max_workers = int(max_workers or default_num_workers())
         if self.max_workers < 1:
             raise ValueError(f"max_workers={max_workers}: must be >= 1")
         self.start_timeout_s = float(start_timeout_s)
+        mb = default_memory_limit_mb() if memory_limit_mb is None else float(memory_limit_mb)
+        if mb < 0:
+            raise ValueError(f"memory_limit_mb={memory_limit_mb}: must be >= 0 (0: no ceiling)")
+        self.memory_limit_bytes = int(mb * 2**20) if mb > 0 else None
         self._cond = threading.Condition()
         self._idle: list[_Worker] = []
         self._all: set[_Worker] = set()
@@ -144,6 +188,7 @@ class GraderPool:
         self._closed = False
         self._spawn_executor: ThreadPoolExecutor | None = None
         self.n_killed = 0
+        self.n_over_memory = 0
 
     def _spawner(self) -> ThreadPoolExecutor:
         # Workers are started from one long-lived thread: their PR_SET_PDEATHSIG is tied to the creating thread,
@@ -194,6 +239,39 @@ class GraderPool:
         if healthy and self._closed:
             worker.kill()
 
+    def _run(self, job: tuple, timeout_s: float, queue_timeout_s: float) -> tuple | str:
+        """Send ``job`` to a free worker: its reply, or the failure status (busy, error, timeout, memory)."""
+        got = self._acquire(queue_timeout_s)
+        if got is None:
+            return "busy"
+        if isinstance(got, str):
+            return "error"
+        worker = got
+        try:
+            reply = worker.request(job, timeout_s, self.memory_limit_bytes)
+        except Exception:  # noqa: BLE001 - e.g. a corrupt frame: never leak the slot
+            reply = None
+        if reply is _OVER_MEMORY:
+            self._release(worker, healthy=False)
+            with self._cond:
+                self.n_over_memory += 1
+            return "memory"
+        if reply is None:
+            # no answer in time (or the worker died): kill it, its slot restarts on demand
+            dead = worker.proc.poll() is not None
+            self._release(worker, healthy=False)
+            return "error" if dead else "timeout"
+        self._release(worker, healthy=True)
+        return reply
+
+    @staticmethod
+    def _soft(timeout_s: float, soft_timeout_s: int | None) -> int | None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s}: must be > 0")
+        if soft_timeout_s is None:
+            return max(1, int(timeout_s // 3))
+        return int(soft_timeout_s) or None
+
     def grade(
         self,
         gold: str,
@@ -202,7 +280,7 @@ class GraderPool:
         queue_timeout_s: float = 600.0,
         soft_timeout_s: int | None = None,
     ) -> tuple[bool, str]:
-        """Grade one (gold, pred) pair in a worker. Never raises on any input; returns (acc, status).
+        """Grade one (gold, extracted answer) pair in a worker. Never raises on any input; returns (acc, status).
 
         Args:
             timeout_s: hard wall-clock limit once the job is sent; the worker is killed past it.
@@ -211,32 +289,32 @@ class GraderPool:
                 (>= 1) so that most slow cases end without a kill; 0 disables the alarms (hard limit only).
 
         status: ``ok`` / ``parse_error`` / ``gold_error`` / ``timeout`` (worker killed or soft alarm) /
-        ``busy`` (no worker free within queue_timeout_s) / ``error`` (worker crashed or could not start).
+        ``memory`` (worker killed over the memory ceiling) / ``busy`` (no worker free within queue_timeout_s) /
+        ``error`` (worker crashed or could not start).
         """
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s={timeout_s}: must be > 0")
-        if soft_timeout_s is None:
-            soft = max(1, int(timeout_s // 3))
-        else:
-            soft = int(soft_timeout_s) or None
-        got = self._acquire(queue_timeout_s)
-        if got is None:
-            return False, "busy"
-        if isinstance(got, str):
-            return False, "error"
-        worker = got
-        try:
-            reply = worker.request((str(gold), str(pred), soft, soft), timeout_s)
-        except Exception:  # noqa: BLE001 - e.g. a corrupt frame: never leak the slot
-            reply = None
-        if reply is None:
-            # no answer in time (or the worker died): kill it, its slot restarts on demand
-            dead = worker.proc.poll() is not None
-            self._release(worker, healthy=False)
-            return False, "error" if dead else "timeout"
-        self._release(worker, healthy=True)
-        acc, status = reply
-        return bool(acc), ("error" if str(status).startswith("error") else str(status))
+        soft = self._soft(timeout_s, soft_timeout_s)
+        reply = self._run(("answer", str(gold), str(pred), soft, soft), timeout_s, queue_timeout_s)
+        if isinstance(reply, str):
+            return False, reply
+        acc, status = reply[0], str(reply[1])
+        return bool(acc), ("error" if status.startswith("error") else status)
+
+    def grade_response(
+        self,
+        gold: str,
+        response: str,
+        timeout_s: float = 10.0,
+        queue_timeout_s: float = 600.0,
+        soft_timeout_s: int | None = None,
+    ) -> tuple[bool, str, str]:
+        """Grade a whole response with math-verify's own extraction (``grader.grade_response``); same limits and
+        statuses as :meth:`grade`, plus ``no_answer``. Returns (acc, status, extracted answer text or "")."""
+        soft = self._soft(timeout_s, soft_timeout_s)
+        reply = self._run(("response", str(gold), str(response), soft, soft), timeout_s, queue_timeout_s)
+        if isinstance(reply, str):
+            return False, reply, ""
+        acc, status, pred = reply[0], str(reply[1]), str(reply[2])
+        return bool(acc), ("error" if status.startswith("error") else status), pred
 
     def worker_pids(self) -> list[int]:
         with self._cond:

@@ -16,6 +16,10 @@ replacement prompts (the first generation batch is the step's own ``train_batch_
 ``RuntimeError`` (as DAPO's trainer does) when that budget is spent, nothing is in flight and the batch is still
 short. ``max_num_gen_batches <= 0`` means no limit (verl's convention). The number of generation rounds used is
 logged as ``training/filter_groups/num_gen_batches``.
+
+Resume: the round counter and the refill budget are reset at every ``sample()`` call, so nothing of this class
+outlives a step and a checkpoint needs none of it. The replacement prompts come from verl's dataloader, whose
+position verl saves with each checkpoint (``data.pt``), so a resumed run draws what the uninterrupted run would have.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ estimators (``gtpo``, ``grpo_s``, ``gtpo_traj``) it:
 
 Every other estimator (``grpo``, ``gae``, ...) goes through the base method unchanged, so baselines run the
 exact verl code path.
+
+Resume: each checkpoint also gets the recipe's state (``checkpoint_state``: ``gtpo_traj``'s measured ``<H>_ini``),
+restored on resume; a resumed run appends to verl's ``file`` logger instead of truncating it (``file_log``).
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ from verl.trainer.ppo.ray_trainer import apply_kl_penalty
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.debug import marked_timer
 from verl.workers.utils.padding import response_to_nested
 
-from gtpo.verl_plugin import forking
+from gtpo.verl_plugin import checkpoint_state, file_log, forking
 from gtpo.verl_plugin.dynamic_sampling import bound_generation_rounds
 
 TRAINER_MODE = "gtpo_sync"
@@ -81,6 +85,56 @@ class GTPOTrainerSync(PPOTrainerSync):
         super().on_init_end()
         # Installs the forking-token loss in every actor worker; None unless algorithm.forking.enable.
         self._forking = forking.install(self)
+
+    def fit(self, agent_loop_manager):
+        # A resumed run keeps the file logger's earlier records (verl opens the file with "wb").
+        self._file_log_history = None
+        if self.global_steps > 0 and file_log.uses_file_logger(self.config.trainer.get("logger", None)):
+            path = file_log.file_logger_path(self.config.trainer.project_name, self.config.trainer.experiment_name)
+            self._file_log_history = file_log.FileLogHistory(path)
+            self._file_log_history.set_aside()
+        return super().fit(agent_loop_manager)
+
+    # verl's fit() builds its Tracking and assigns it to self.logger: the hook where the kept history is put back
+    # under the freshly opened file logger, before anything is logged.
+    @property
+    def logger(self):
+        try:
+            return self.__dict__["_tracking"]
+        except KeyError:
+            raise AttributeError("logger") from None
+
+    @logger.setter
+    def logger(self, tracking) -> None:
+        history = self.__dict__.pop("_file_log_history", None)
+        if history is not None:
+            history.reattach(tracking)
+        self.__dict__["_tracking"] = tracking
+
+    def _save_checkpoint(self):
+        # The recipe's state first: verl writes latest_checkpointed_iteration.txt last, so a tracked checkpoint
+        # always holds it.
+        folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+        checkpoint_state.save_state(folder, self.global_steps)
+        super()._save_checkpoint()
+
+    def _load_checkpoint(self):
+        super()._load_checkpoint()
+        if self.global_steps > 0:
+            folder = self._resumed_checkpoint_folder()
+            restored = checkpoint_state.restore_state(folder, self.config.algorithm)
+            print(f"gtpo: resumed from {folder} at step {self.global_steps}; recipe state restored: {restored}")
+
+    def _resumed_checkpoint_folder(self) -> str:
+        """The ``global_step_<N>`` folder verl's ``_load_checkpoint`` resumed from (same resolution rules)."""
+        trainer_cfg = self.config.trainer
+        if trainer_cfg.resume_mode == "resume_path":
+            folder = os.path.abspath(trainer_cfg.resume_from_path)
+        else:
+            folder = find_latest_ckpt_path(os.path.abspath(trainer_cfg.default_local_dir))
+        if folder is None or os.path.basename(os.path.normpath(folder)) != f"global_step_{self.global_steps}":
+            raise RuntimeError(f"resumed at step {self.global_steps} but the checkpoint folder resolves to {folder}")
+        return folder
 
     def _update_actor(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
         params = getattr(self, "_forking", None)

@@ -21,10 +21,10 @@ Mapping onto verl's loss (docs/ALGORITHMS.md §6.6):
 
 ``<H>_ini`` (ini gate, ``variant=paper``): if ``algorithm.gtpo_traj.h_ini`` is null, the first call of the
 estimator in this process measures it (mean over that batch's completions of ``<H>_i``), keeps it in this module
-(``current_h_ini()``) and every step logs it as ``gtpo_traj/h_ini``. The value is process state, not part of a
-checkpoint: when the trainer passes ``global_steps`` and a resumed run (``global_steps > 1``) has no measured
-value, the estimator raises and asks for ``algorithm.gtpo_traj.h_ini=<the logged value>`` rather than measuring
-a trained policy's entropy as the "initial" one.
+(``current_h_ini()``) and every step logs it as ``gtpo_traj/h_ini``. ``gtpo_sync`` saves it with each checkpoint
+and restores it on resume (``gtpo.verl_plugin.checkpoint_state``). A resumed run (``global_steps > 1``) that still
+has no value (a checkpoint without the recipe's state file) raises and asks for ``algorithm.gtpo_traj.h_ini``
+rather than measuring a trained policy's entropy as the "initial" one.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from gtpo.algorithms.group_ops import group_ids
-from gtpo.algorithms.trajectory import GTPOTrajParams, _masked_row_sums, gtpo_traj_advantages, masked_mean_entropy
+from gtpo.algorithms.trajectory import GTPOTrajParams, gtpo_traj_advantages
+from gtpo.algorithms.trajectory_entropy import masked_mean_entropy, masked_row_sums
 from gtpo.verl_plugin.config import load_knobs
 
 __all__ = ["compute_gtpo_traj_advantage", "current_h_ini", "reset_h_ini", "set_h_ini", "load_params"]
@@ -125,7 +126,7 @@ def compute_gtpo_traj_advantage(
     gid, num_groups = group_ids(index)
     gid = gid.to(device)
     # row sums of rewards * mask in row chunks (no [B, L] temporary)
-    scores = _masked_row_sums(token_level_rewards, mask)[0].to(token_level_rewards.dtype)
+    scores = masked_row_sums(token_level_rewards, mask)[0].to(token_level_rewards.dtype)
     ent = entropy.to(device=device, dtype=torch.float32).detach()
 
     h_ini = params.h_ini
@@ -135,9 +136,10 @@ def compute_gtpo_traj_advantage(
             step = kwargs.get("global_steps")
             if step is not None and int(step) > 1:
                 raise ValueError(
-                    f"algorithm.gtpo_traj.h_ini=null on a resumed run (global_steps={int(step)}): the ini gate "
-                    "needs the initial model's entropy; set algorithm.gtpo_traj.h_ini to the gtpo_traj/h_ini value "
-                    "logged at step 1 (or use_ini_gate=false)"
+                    f"algorithm.gtpo_traj.h_ini=null on a resumed run (global_steps={int(step)}) whose checkpoint "
+                    "holds no measured value (no gtpo_state.json): the ini gate needs the initial model's entropy; "
+                    "set algorithm.gtpo_traj.h_ini to the gtpo_traj/h_ini value logged at step 1 "
+                    "(or use_ini_gate=false)"
                 )
             valid_rows = mask.sum(-1) > 0
             h_bar = masked_mean_entropy(ent, mask)

@@ -30,11 +30,11 @@ Deliberate choices
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
+
+from gtpo.verl_plugin.file_log import read_file_log
 
 __all__ = ["DEFAULT_PANELS", "load_metrics", "parse_run_spec", "plot_curves"]
 
@@ -63,33 +63,12 @@ def load_metrics(path: str | Path) -> dict[str, Series]:
 
     Accepts verl's file-logger lines ``{"step", "data": {...}}`` and plain ``{"step", key: value}`` lines.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"metrics file {path}: not found")
-    lines = path.read_text(encoding="utf-8").splitlines()
     table: dict[str, dict[int, float]] = {}
-    last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        where = f"{path}:{i + 1}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            if i == last:
-                warnings.warn(f"{where}: skipping a truncated last line ({e.msg})", stacklevel=2)
-                continue
-            raise ValueError(f"{where}: invalid JSON ({e.msg})") from e
-        if not isinstance(rec, dict) or "step" not in rec:
-            raise ValueError(f"{where}: expected an object with a 'step' field")
-        step = rec["step"]
-        if isinstance(step, bool) or not isinstance(step, int | float) or step != int(step):
-            raise ValueError(f"{where}: step={step!r} is not an integer")
-        data = rec["data"] if isinstance(rec.get("data"), dict) else {k: v for k, v in rec.items() if k != "step"}
+    for step, data in read_file_log(path):  # one merged record per step; a resumed run's repeat wins
         for key, value in data.items():
             num = _number(value)
             if num is not None:
-                table.setdefault(key, {})[int(step)] = num
+                table.setdefault(key, {})[step] = num
     out: dict[str, Series] = {}
     for key, by_step in table.items():
         steps = sorted(by_step)
