@@ -3,14 +3,12 @@ Qwen2 model and the parquet files, built once per recipe hash and seed (details 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
-import shutil
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
+
+from gtpo.cpu.asset_cache import AssetPaths, build_once
 
 DEMO_VERSION = 1
 DATA_SOURCE = "cpu_demo/say_digit"
@@ -60,14 +58,7 @@ def compute_score(data_source=None, solution_str: str = "", ground_truth: str = 
 # assets
 
 
-@dataclass(frozen=True)
-class DemoAssets:
-    """Paths of the built demo assets (all absolute)."""
-
-    model_dir: str
-    tokenizer_dir: str
-    train_parquet: str
-    val_parquet: str
+DemoAssets = AssetPaths
 
 
 def build_tokenizer():
@@ -146,19 +137,6 @@ def recipe_key(seed: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("GTPO_CACHE_DIR") or Path.home() / ".cache" / "gtpo" / "tiny")
-
-
-def _assets_in(folder: Path) -> DemoAssets:
-    return DemoAssets(
-        model_dir=str(folder / "model"),
-        tokenizer_dir=str(folder / "tokenizer"),
-        train_parquet=str(folder / "data" / "train.parquet"),
-        val_parquet=str(folder / "data" / "val.parquet"),
-    )
-
-
 def _build_into(folder: Path, seed: int) -> None:
     import pandas as pd
 
@@ -180,26 +158,4 @@ def build_demo_assets(cache_dir: str | os.PathLike | None = None, seed: int = 0)
     """Build (once per recipe hash and seed) and return the demo assets; safe to call concurrently."""
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r}: must be a non-negative int")
-    root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()).expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"cpu-demo-{recipe_key(seed)}"
-    if (final / "RECIPE.json").is_file():
-        return _assets_in(final)
-    with open(root / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if (final / "RECIPE.json").is_file():
-                return _assets_in(final)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-            try:
-                _build_into(tmp, seed)
-                if final.exists():
-                    # Left by an interrupted build (no RECIPE.json, so incomplete).
-                    shutil.rmtree(final)
-                os.rename(tmp, final)
-            finally:
-                if tmp.exists():
-                    shutil.rmtree(tmp, ignore_errors=True)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return _assets_in(final)
+    return build_once(cache_dir, f"cpu-demo-{recipe_key(seed)}", lambda folder: _build_into(folder, seed))

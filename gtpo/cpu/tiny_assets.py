@@ -25,17 +25,14 @@ rebuilds. ``python -m gtpo.cpu.tiny_assets`` prints the paths as shell assignmen
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import shlex
-import shutil
 import sys
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
+from gtpo.cpu.asset_cache import AssetPaths, build_once
 from gtpo.cpu.qwen25_tokenizer import (
     FIRST_SPECIAL_ID,
     NON_SPECIAL_ADDED_TOKENS,
@@ -86,14 +83,7 @@ SYNTHETIC_VERSION = 1
 PROMPT_SUFFIX = " Let's think step by step and put the final answer within \\boxed{}."
 
 
-@dataclass(frozen=True)
-class TinyAssets:
-    """Paths of the built fixture (all absolute)."""
-
-    model_dir: str
-    tokenizer_dir: str
-    train_parquet: str
-    val_parquet: str
+TinyAssets = AssetPaths
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -241,19 +231,6 @@ def build_parquets(out_dir: Path) -> tuple[Path, Path]:
 # cache
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("GTPO_CACHE_DIR") or Path.home() / ".cache" / "gtpo" / "tiny")
-
-
-def _assets_in(folder: Path) -> TinyAssets:
-    return TinyAssets(
-        model_dir=str(folder / "model"),
-        tokenizer_dir=str(folder / "tokenizer"),
-        train_parquet=str(folder / "data" / "train.parquet"),
-        val_parquet=str(folder / "data" / "val.parquet"),
-    )
-
-
 def _build_into(folder: Path) -> None:
     tok = build_tokenizer()
     tok.save_pretrained(folder / "tokenizer")
@@ -267,30 +244,7 @@ def _build_into(folder: Path) -> None:
 
 def build_tiny_assets(cache_dir: str | os.PathLike | None = None) -> TinyAssets:
     """Build (once per recipe hash) and return the tiny fixture; safe to call concurrently."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    root = root.expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"qwen25-tiny-{recipe_key()}"
-    if (final / "RECIPE.json").is_file():
-        return _assets_in(final)
-    with open(root / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if (final / "RECIPE.json").is_file():
-                return _assets_in(final)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-            try:
-                _build_into(tmp)
-                if final.exists():
-                    # A previous build was interrupted after the rename; it is incomplete without RECIPE.json.
-                    shutil.rmtree(final)
-                os.rename(tmp, final)
-            finally:
-                if tmp.exists():
-                    shutil.rmtree(tmp, ignore_errors=True)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return _assets_in(final)
+    return build_once(cache_dir, f"qwen25-tiny-{recipe_key()}", _build_into)
 
 
 def main(argv: list[str] | None = None) -> int:
