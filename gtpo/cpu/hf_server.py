@@ -18,7 +18,6 @@ import os
 from typing import Any
 
 import torch
-from verl.workers.rollout.replica import TokenOutput
 
 from gtpo.cpu.hf_sampler import GenRequest, GenResult, HFSampler
 
@@ -190,6 +189,10 @@ class HFRolloutServer:
         **kwargs: Any,
     ):
         """Token-in/token-out generation; returns verl's ``TokenOutput``."""
+        # Imported here, not at the top: a Ray worker unpickling this actor imports this module first, and importing
+        # verl then imports VERL_USE_EXTERNAL_MODULES, whose gtpo.cpu.hf_rollout imports this module back.
+        from verl.workers.rollout.replica import TokenOutput
+
         if image_data or video_data or audio_data:
             raise ValueError("the hf rollout does not support multimodal input (image/video/audio data given)")
         req = self.make_request(prompt_ids, sampling_params)
