@@ -50,14 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         required=True,
         metavar="NAME=PATH",
-        help="a run's metrics JSONL (verl file logger or plain {step, key: value}); repeat to overlay",
+        help="a run's metrics JSONL (verl file logger or plain {step, key: value}); repeat to overlay runs, "
+        "repeat a NAME for seeds of one method (drawn as mean and min-max band)",
     )
     c.add_argument("--out", required=True, help="output PNG")
     c.add_argument(
         "--metrics",
         nargs="+",
         default=None,
-        help="metric keys or fnmatch patterns, one panel each (default: reward, entropy, length, val acc)",
+        help="metric keys or fnmatch patterns, one panel each (default: mean reward, policy entropy, response "
+        "length, validation Mean@N)",
     )
     c.add_argument("--smooth", type=float, default=0.0, help="EMA weight in [0, 1) for the drawn lines")
     c.add_argument("--title", default=None)
