@@ -26,7 +26,7 @@ import numpy as np
 
 from gtpo.viz.dump_writer import piece_table, token_texts
 
-__all__ = ["Response", "find_dump", "load_responses"]
+__all__ = ["Response", "find_dump", "load_responses", "responses_from_records"]
 
 _KEY_RE = re.compile(r"^(?P<uid>.+)_(\d+)_(\d+)$")
 _WORD_RE = re.compile(r"\s+|\w+|[^\w\s]", re.UNICODE)
@@ -163,3 +163,8 @@ def load_responses(path: str | Path, *, tokenizer: Any = None, correct_threshold
     if not out:
         raise ValueError(f"{path}: no records")
     return out
+
+
+def responses_from_records(records: list[dict], *, correct_threshold: float = 0.0) -> list[Response]:
+    """In-memory token-dump records (as :func:`gtpo.viz.dump_writer.token_records` returns them) -> responses."""
+    return [_parse_record(rec, f"record {i}", None, correct_threshold) for i, rec in enumerate(records)]

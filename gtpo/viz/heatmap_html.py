@@ -14,11 +14,16 @@ from gtpo.viz.heatmap_style import (
     ColorScale,
     check_mode,
     columns,
+    display_text,
     fmt_value,
     group_by_prompt,
     hex_colors,
+    is_special,
     mode_label,
+    prompt_preview,
     response_meta,
+    scale_label,
+    strip_mode,
     text_is_dark,
     token_values,
 )
@@ -28,27 +33,27 @@ __all__ = ["render_html"]
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:16px;color:#222;background:#fff}
 h1{font-size:18px} h2{font-size:15px;margin:18px 0 4px} h3{font-size:13px;margin:4px 0}
-.legend{display:flex;align-items:center;gap:8px;font-size:12px;margin:8px 0 16px}
+.legend{display:flex;align-items:center;gap:8px;font-size:12px;margin:4px 0}
+.legends{margin:8px 0 16px}
 .bar{width:320px;height:14px;border:1px solid #999}
+.strip-bar{width:320px;height:6px;border:1px solid #999}
 .prompt{white-space:pre-wrap;background:#f6f6f6;border:1px solid #ddd;padding:6px;font-size:12px;max-height:12em;
 overflow:auto}
 .cols{display:grid;grid-template-columns:repeat(var(--ncols),minmax(0,1fr));gap:12px}
 .col{min-width:0} .resp{border:1px solid #ccc;border-radius:4px;padding:6px;margin:6px 0}
 .meta{font-size:11px;color:#555;margin-bottom:4px;word-break:break-all}
-.toks{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;line-height:1.7;white-space:pre-wrap;
+.toks{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;line-height:2.0;white-space:pre-wrap;
 word-break:break-word}
-.tok{box-shadow:inset 0 0 0 1px rgba(0,0,0,.10);border-radius:2px;padding:1px 0}
-.tok:empty{padding:1px 1px}
+.tok{box-shadow:inset 0 0 0 1px rgba(0,0,0,.25);border-radius:2px;padding:1px 1px;margin-right:3px;
+border-bottom:4px solid transparent}
+.tok:empty{padding:1px 1px;margin-right:0}
+.tok[data-special]{box-shadow:inset 0 0 0 2px #222;font-weight:bold}
 """
 
 
 def _visible(tok: str) -> str:
-    """Escaped display text: newline -> '↵' + line break, tab -> '⇥', spaces of whitespace-only tokens -> '·'."""
-    shown = tok
-    if tok and tok.strip() == "":
-        shown = shown.replace(" ", "·")
-    shown = html.escape(shown, quote=True).replace("\t", "⇥").replace("\r", "␍").replace("\n", "↵\n")
-    return shown
+    """Escaped display text: spaces -> '·', tab -> '⇥', newline -> '↵' + a line break (as :func:`display_text`)."""
+    return html.escape(display_text(tok), quote=True).replace("↵", "↵\n")
 
 
 def _attr(s: str) -> str:
@@ -56,26 +61,35 @@ def _attr(s: str) -> str:
     return html.escape(s, quote=True).replace("\n", "&#10;").replace("\r", "&#13;").replace("\t", "&#9;")
 
 
-def _legend_html(scale: ColorScale) -> str:
-    if scale.cmap_name is None:
-        return '<div class="legend">colour: none</div>'
+def _legend_html(scale: ColorScale, what: str, bar_class: str) -> str:
     stops = np.linspace(scale.vmin, scale.vmax, 11)
     cols = hex_colors(scale.rgba(stops))
     grad = ", ".join(f"{c} {i * 10}%" for i, c in enumerate(cols))
-    mid = "0" if scale.mode != "entropy" else f"{(scale.vmin + scale.vmax) / 2:.4g}"
     return (
-        f'<div class="legend"><span>{mode_label(scale.mode)}</span><span>{scale.vmin:.4g}</span>'
-        f'<span class="bar" style="background:linear-gradient(to right, {grad})" '
+        f'<div class="legend"><strong>{html.escape(what)}</strong><span>{scale.vmin:.4g}</span>'
+        f'<span class="{bar_class}" style="background:linear-gradient(to right, {grad})" '
         f'data-vmin="{scale.vmin!r}" data-vmax="{scale.vmax!r}" data-cmap="{scale.cmap_name}"></span>'
-        f"<span>{scale.vmax:.4g}</span><span>(centre {mid}; colormap {scale.cmap_name})</span></div>"
+        f"<span>{scale.vmax:.4g}</span><span>{html.escape(scale_label(scale))}; colormap {scale.cmap_name}; "
+        "one scale for every token on this page</span></div>"
     )
 
 
-def _response_html(r: Response, mode: str, scale: ColorScale) -> str:
+def _legends_html(scale: ColorScale, strip_scale: ColorScale | None) -> str:
+    if scale.cmap_name is None:
+        return '<div class="legends"><div class="legend">colour: none</div></div>'
+    parts = [_legend_html(scale, "box colour", "bar")]
+    if strip_scale is not None:
+        parts.append(_legend_html(strip_scale, "strip under each token", "strip-bar"))
+    parts.append('<div class="legend">hover a token for its exact values, position and id</div>')
+    return f'<div class="legends">{"".join(parts)}</div>'
+
+
+def _response_html(r: Response, mode: str, scale: ColorScale, strip_scale: ColorScale | None) -> str:
     vals = token_values(r, mode)
     rgba = scale.rgba(vals)
     bgs = hex_colors(rgba)
     dark = text_is_dark(rgba)
+    strips = hex_colors(strip_scale.rgba(token_values(r, strip_scale.mode))) if strip_scale is not None else None
     label = mode_label(mode)
     spans = []
     for i, tok in enumerate(r.tokens):
@@ -89,9 +103,11 @@ def _response_html(r: Response, mode: str, scale: ColorScale) -> str:
         if mode != "advantage" and r.advantages is not None:
             title += f"\nadvantage={fmt_value(r.advantages[i])}"
         fg = "#000" if dark[i] else "#fff"
+        strip = f";border-bottom-color:{strips[i]}" if strips is not None else ""
+        special = " data-special" if is_special(tok) else ""
         spans.append(
-            f'<span class="tok" data-i="{i}" data-tok="{_attr(tok)}" data-v="{fmt_value(vals[i])}" '
-            f'title="{_attr(title)}" style="background:{bgs[i]};color:{fg}">{_visible(tok)}</span>'
+            f'<span class="tok" data-i="{i}" data-tok="{_attr(tok)}" data-v="{fmt_value(vals[i])}"{special} '
+            f'title="{_attr(title)}" style="background:{bgs[i]};color:{fg}{strip}">{_visible(tok)}</span>'
         )
     return (
         f'<div class="resp" data-uid="{_attr(r.uid)}" data-key="{_attr(r.key or "")}">'
@@ -113,23 +129,26 @@ def render_html(
     shown = [r for g in groups for r in g]
     check_mode(shown, color)
     scale = ColorScale.fit(color, [token_values(r, color) for r in shown] if color != "none" else [], vmax)
+    strip = strip_mode(color, shown)
+    strip_scale = ColorScale.fit(strip, [token_values(r, strip) for r in shown]) if strip else None
     parts = [
         '<!DOCTYPE html><html><head><meta charset="utf-8">',
         f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
-        _legend_html(scale),
+        _legends_html(scale, strip_scale),
     ]
     for g in groups:
         cols = columns(g)
         step = g[0].step
-        head = f"prompt {g[0].uid}" + (f" · step {step}" if step is not None else "") + f" · {len(g)} responses"
+        head = prompt_preview(g[0].prompt, g[0].uid, limit=120)
+        head += (f" · step {step}" if step is not None else "") + f" · {len(g)} responses"
         parts.append(f'<section class="group" data-uid="{_attr(g[0].uid)}"><h2>{html.escape(head)}</h2>')
         if g[0].prompt is not None:
             parts.append(f'<div class="prompt">{html.escape(g[0].prompt)}</div>')
         parts.append(f'<div class="cols" style="--ncols:{len(cols)}">')
         for name, rs in cols:
             parts.append(f'<div class="col {name}"><h3>{name} ({len(rs)})</h3>')
-            parts.extend(_response_html(r, color, scale) for r in rs)
+            parts.extend(_response_html(r, color, scale, strip_scale) for r in rs)
             parts.append("</div>")
         parts.append("</div></section>")
     parts.append("</body></html>\n")

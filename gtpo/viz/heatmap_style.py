@@ -1,8 +1,14 @@
-"""What both heatmap renderers share: the colour scale, the value each token shows, grouping and labels."""
+"""What both heatmap renderers share: the colour scales, the values each token shows, grouping and labels.
+
+One figure, two signals: the box colour of each token shows the chosen ``color`` mode on one scale fitted over
+every token of the figure, and a thin strip under each box (hover text in the HTML) shows the other per-token
+signal: entropy under advantage boxes, advantage under entropy boxes (:func:`strip_mode`).
+"""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -10,11 +16,15 @@ import numpy as np
 
 from gtpo.viz.dump_reader import Response
 
-__all__ = ["ADVANTAGE_CMAP", "COLOR_MODES", "ENTROPY_CMAP", "ColorScale"]
+__all__ = ["ADVANTAGE_CMAP", "COLOR_MODES", "ENTROPY_CMAP", "ColorScale", "credited_spans", "prompt_preview"]
 
 ADVANTAGE_CMAP = "RdBu"
 ENTROPY_CMAP = "YlOrRd"
 COLOR_MODES = ("advantage", "entropy", "score", "none")
+# Special tokens as tokenizers print them: <|im_end|>, <|endoftext|>, <unk>, </s>, <s>, <pad>, <eos>.
+_SPECIAL_RE = re.compile(r"^<\|[^|<>\s]+\|>$|^</?(s|unk|pad|eos|bos|mask)>$")
+# Chat-templated prompts decoded without special tokens read "system\n...\nuser\n<question>\nassistant\n".
+_CHAT_USER_RE = re.compile(r"(?:^|\n)user\n(?P<content>.*?)(?:\n?assistant\n?)?$", re.S)
 
 
 @dataclass(frozen=True)
@@ -126,12 +136,92 @@ def mode_label(mode: str) -> str:
     return {"advantage": "advantage", "entropy": "entropy", "score": "score", "none": "token"}[mode]
 
 
+def strip_mode(mode: str, responses: Sequence[Response]) -> str | None:
+    """The signal drawn as a strip under each token: the other one of advantage / entropy, when every response has
+    it; ``None`` otherwise (verl's text dumps, or a dump without entropy)."""
+    other = {"advantage": "entropy", "entropy": "advantage", "score": "advantage"}.get(mode)
+    if other is None or not responses or any(token_values(r, other) is None for r in responses):
+        return None
+    return other
+
+
+def scale_label(scale: ColorScale) -> str:
+    """The legend's statement of a scale, e.g. ``advantage, -2.06 .. +2.06 (0 = white)``."""
+    if scale.mode == "entropy":
+        return f"entropy (nats), {scale.vmin:.3g} .. {scale.vmax:.3g}"
+    return f"{mode_label(scale.mode)}, {scale.vmin:+.3g} .. {scale.vmax:+.3g} (0 = white)"
+
+
+def is_special(token: str) -> bool:
+    """Whether ``token`` is a special token's text (``<|im_end|>``, ``<unk>``, ``</s>``, ...)."""
+    return bool(_SPECIAL_RE.match(token))
+
+
+def display_text(token: str) -> str:
+    """What a token box shows: spaces as ``·``, tab ``⇥``, newline ``↵``, carriage return ``␍``."""
+    return token.replace(" ", "·").replace("\t", "⇥").replace("\r", "␍").replace("\n", "↵")
+
+
+def prompt_preview(prompt: str | None, uid: str, limit: int = 80) -> str:
+    """One line naming a prompt group: the prompt's text in quotes (the user turn of a chat-templated prompt),
+    whitespace collapsed, at most ``limit`` characters; ``prompt <uid>`` when the dump has no prompt text."""
+    if not prompt:
+        return f"prompt {uid}"
+    match = _CHAT_USER_RE.search(prompt)
+    text = " ".join((match.group("content") if match else prompt).split())
+    limit = max(limit - 2, 8)  # room for the quotes
+    return f"“{text if len(text) <= limit else text[: limit - 1] + '…'}”"
+
+
+def credited_spans(values: np.ndarray, span: int, k: int) -> list[tuple[str, int, int, float]]:
+    """The ``k`` most and ``k`` least credited windows of ``span`` tokens, without overlap.
+
+    Args:
+        values: ``[T]`` per-token values (NaN = missing), e.g. advantages.
+        span: window length in tokens (``T`` when shorter).
+        k: windows per side.
+
+    Returns:
+        ``[(side, start, end, mean)]`` with ``side`` ``"most"`` or ``"least"``, ``values[start:end]`` the window
+        and ``mean`` its mean over finite values; most credited first (by decreasing mean), then least credited
+        (by increasing mean). A window chosen on one side is never chosen on the other.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    n = v.shape[0]
+    span = max(1, min(span, n))
+    if n == 0 or k < 1:
+        return []
+    ok = np.isfinite(v)
+    # Windowed means over finite values by cumulative sums (vectorised over all T - span + 1 windows).
+    sums = np.concatenate([[0.0], np.cumsum(np.where(ok, v, 0.0))])
+    counts = np.concatenate([[0], np.cumsum(ok)])
+    wsum = sums[span:] - sums[:-span]
+    wcnt = counts[span:] - counts[:-span]
+    means = np.where(wcnt > 0, wsum / np.maximum(wcnt, 1), np.nan)
+    taken = np.zeros(n, dtype=bool)
+    out: list[tuple[str, int, int, float]] = []
+    for side, order in (
+        ("most", np.argsort(-np.nan_to_num(means, nan=-np.inf), kind="stable")),
+        ("least", np.argsort(np.nan_to_num(means, nan=np.inf), kind="stable")),
+    ):
+        picked = 0
+        for start in order:
+            if picked == k or not np.isfinite(means[start]):
+                break
+            if taken[start : start + span].any():
+                continue
+            taken[start : start + span] = True
+            out.append((side, int(start), int(start + span), float(means[start])))
+            picked += 1
+    return out
+
+
 def fmt_value(v: float) -> str:
     return "nan" if not math.isfinite(v) else repr(float(v))
 
 
-def response_meta(r: Response) -> str:
-    parts = [f"{len(r.tokens)} tokens"]
+def response_meta(r: Response, with_key: bool = True) -> str:
+    parts = [f"{len(r.tokens):,} tokens"]
     if r.score is not None:
         parts.append(f"score={r.score:g}")
     if r.acc is not None:
@@ -140,6 +230,6 @@ def response_meta(r: Response) -> str:
         parts.append(f"mean adv={np.nanmean(r.advantages):+.4g}")
     if r.entropy is not None and len(r.entropy):
         parts.append(f"mean H={np.nanmean(r.entropy):.4g}")
-    if r.key:
+    if r.key and with_key:
         parts.append(r.key)
     return " · ".join(parts)

@@ -21,6 +21,7 @@ behind ``python -m gtpo.viz tokens`` and re-exports the public names.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,45 @@ __all__ = [
     "find_dump",
     "render_html",
     "render_png",
+    "heatmap_title",
+    "render_heatmap",
     "render_tokens",
 ]
+
+
+def heatmap_title(color: str, responses: Sequence[Response], source: str = "") -> str:
+    """``Token advantage · step 39 · tokens_39.jsonl``: the mode, the step when all responses share one, the source."""
+    steps = {r.step for r in responses}
+    parts = [f"Token {mode_label(color)}"]
+    if len(steps) == 1 and None not in steps:
+        parts.append(f"step {steps.pop()}")
+    if source:
+        parts.append(source)
+    return " · ".join(parts)
+
+
+def render_heatmap(
+    responses: Sequence[Response],
+    out_stem: str | Path,
+    *,
+    color: str = "advantage",
+    max_prompts: int | None = 16,
+    vmax: float | None = None,
+    title: str | None = None,
+    png: bool = True,
+) -> tuple[Path, Path | None]:
+    """Write ``<out_stem>.html`` and (with ``png``) ``<out_stem>.png``; returns both paths."""
+    out_stem = Path(out_stem)
+    title = title or heatmap_title(color, group_responses(responses, max_prompts))
+    kwargs = dict(color=color, max_prompts=max_prompts, vmax=vmax, title=title)
+    html_path = render_html(responses, out_stem.with_name(out_stem.name + ".html"), **kwargs)
+    png_path = render_png(responses, out_stem.with_name(out_stem.name + ".png"), **kwargs) if png else None
+    return html_path, png_path
+
+
+def group_responses(responses: Sequence[Response], max_prompts: int | None) -> list[Response]:
+    """The responses a page with ``max_prompts`` prompt groups shows."""
+    return [r for g in group_by_prompt(responses, max_prompts) for r in g]
 
 
 def render_tokens(
@@ -79,24 +117,22 @@ def render_tokens(
 
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
     responses = load_responses(src, tokenizer=tokenizer, correct_threshold=correct_threshold)
-    groups = group_by_prompt(responses, max_prompts)
-    shown = [r for g in groups for r in g]
-    out_dir = Path(out_dir)
-    title = f"Token {mode_label(color)} · {src.name}"
-    html_path = render_html(
-        responses, out_dir / f"{src.stem}.{color}.html", color=color, max_prompts=max_prompts, vmax=vmax, title=title
+    shown = group_responses(responses, max_prompts)
+    html_path, png_path = render_heatmap(
+        responses,
+        Path(out_dir) / f"{src.stem}.{color}",
+        color=color,
+        max_prompts=max_prompts,
+        vmax=vmax,
+        title=heatmap_title(color, shown, src.name),
+        png=png,
     )
-    png_path = None
-    if png:
-        png_path = render_png(
-            responses, out_dir / f"{src.stem}.{color}.png", color=color, max_prompts=max_prompts, vmax=vmax, title=title
-        )
     scale = ColorScale.fit(color, [token_values(r, color) for r in shown] if color != "none" else [], vmax)
     return {
         "html": html_path,
         "png": png_path,
         "input": src,
-        "n_prompts": len(groups),
+        "n_prompts": len({r.uid for r in shown}),
         "n_responses": len(shown),
         "scale": scale,
     }
