@@ -127,46 +127,14 @@ def make_plots(
     if not rollout_dir.is_dir():
         return written
     heat = out / "heatmap"
-    dumps = token_dumps(rollout_dir)
-    if dumps:
-        pick = step if step is not None else heatmap_step(rewards, set(dumps))
-        if pick in dumps and _run_viz(
-            [
-                "tokens",
-                "--input",
-                str(dumps[pick]),
-                "--out",
-                str(heat),
-                "--color",
-                "advantage",
-                "--tokenizer",
-                tokenizer_dir,
-                "--max-prompts",
-                "4",
-            ],
-            env,
-        ):
-            written.update(heatmap=str(heat), heatmap_step=pick)
-        return written
-    text_dumps = {int(p.stem): p for p in rollout_dir.glob("*.jsonl") if p.stem.isdigit()}
-    if text_dumps:
-        pick = step if step is not None else heatmap_step(rewards, set(text_dumps))
-        # verl's own text dumps carry only the sequence score.
-        if pick in text_dumps and _run_viz(
-            [
-                "tokens",
-                "--input",
-                str(text_dumps[pick]),
-                "--out",
-                str(heat),
-                "--color",
-                "score",
-                "--tokenizer",
-                tokenizer_dir,
-                "--max-prompts",
-                "4",
-            ],
-            env,
-        ):
-            written.update(heatmap=str(heat), heatmap_step=pick)
+    dumps, colour = token_dumps(rollout_dir), "advantage"
+    if not dumps:  # verl's own text dumps carry only the sequence score
+        dumps, colour = {int(p.stem): p for p in rollout_dir.glob("*.jsonl") if p.stem.isdigit()}, "score"
+    pick = step if step is not None or not dumps else heatmap_step(rewards, set(dumps))
+    if pick in dumps and _run_viz(
+        ["tokens", "--input", str(dumps[pick]), "--out", str(heat), "--color", colour]
+        + ["--tokenizer", tokenizer_dir, "--max-prompts", "4"],
+        env,
+    ):
+        written.update(heatmap=str(heat), heatmap_step=pick)
     return written
