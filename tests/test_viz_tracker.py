@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
+from gtpo.viz import tracker
 from gtpo.viz.dump_writer import token_records
-from gtpo.viz.tracker import HTML_TAG, IMAGE_TAG, log_token_heatmap, wants_heatmap
+from gtpo.viz.tracker import HTML_TAG, IMAGE_TAG, log_token_heatmap, tracker_responses, wants_heatmap
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -127,13 +128,15 @@ def test_wandb_offline_gets_image_and_html_at_its_step(tmp_path, monkeypatch):
     tracking.log({"critic/score/mean": 0.1}, step=1)
     written = log_token_heatmap(tracking, _records(2), 2, tmp_path / "heatmaps")
     tracking.log({"critic/score/mean": 0.2}, step=2)
+    monkeypatch.setattr(tracker, "WANDB_MAX_HTML_BYTES", 100)  # a page too large to upload: a note instead
+    log_token_heatmap(tracking, _records(3), 3, tmp_path / "heatmaps")
     tracking.finish()
     wandb.teardown()  # waits for W&B's service process, which writes the run file after finish() returns
     assert written["backends"] == "wandb"
 
     run_dir = Path(glob.glob(str(tmp_path / "wandb" / "offline-run-*"))[0])
     history = dict(_wandb_history(run_dir))
-    assert set(history) == {1, 2}
+    assert set(history) == {1, 2, 3}
     row = history[2]  # the heatmap and the step's metrics share one row
     assert row["critic/score/mean"] == 0.2
     assert row[f"{IMAGE_TAG}/_type"] == "image-file" and row[f"{HTML_TAG}/_type"] == "html-file"
@@ -147,6 +150,8 @@ def test_wandb_offline_gets_image_and_html_at_its_step(tmp_path, monkeypatch):
     page = (run_dir / "files" / row[f"{HTML_TAG}/path"]).read_text(encoding="utf-8")
     assert page == Path(written["html"]).read_text(encoding="utf-8")  # passed through unchanged
     assert "What is 6*7?" in page
+    note = (run_dir / "files" / history[3][f"{HTML_TAG}/path"]).read_text(encoding="utf-8")
+    assert "too large to upload" in note and "tokens_3.advantage.html" in note
 
 
 def test_no_image_backend_no_rendering(tmp_path, monkeypatch):
@@ -171,3 +176,14 @@ def test_a_failure_warns_and_never_raises(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="gtpo.viz.tracker"):
         assert log_token_heatmap(FakeTracking(), _records(4), 4, tmp_path) == {}
     assert "step 4" in caplog.text and "disk full" in caplog.text
+
+
+def test_tracker_shows_what_its_png_shows():
+    from gtpo.viz.dump_reader import Response
+
+    rs = [
+        Response(uid=f"g{g}", tokens=["x"], key=f"g{g}_{i}", correct=(i % 2 == 0)) for g in range(6) for i in range(10)
+    ]
+    shown = tracker_responses(rs, max_prompts=4)
+    assert [r.uid for r in shown] == [f"g{g}" for g in range(4) for _ in range(6)]
+    assert [r.key for r in shown[:6]] == ["g0_0", "g0_2", "g0_4", "g0_1", "g0_3", "g0_5"]  # 3 correct, 3 incorrect

@@ -12,6 +12,11 @@ at the step it belongs to, with the backends verl's ``Tracking`` already holds (
 
 Other backends (console, file, mlflow, ...) get nothing: they have no image channel verl uses for training steps.
 A rendering or logging failure is reported as a warning and never stops training.
+
+Size: the tracker's page shows what its PNG shows (:data:`TRACKER_MAX_PROMPTS` prompts, up to
+:data:`TRACKER_RESPONSES_PER_COLUMN` correct and incorrect responses each), about 0.2 kB of HTML per token, so
+24 responses of 4,096 tokens make ~20 MB; a page over :data:`WANDB_MAX_HTML_BYTES` is not uploaded to W&B (a short
+page with its path is logged instead). ``python -m gtpo.viz tokens`` renders every response of the step's dump.
 """
 
 from __future__ import annotations
@@ -22,15 +27,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HTML_TAG", "IMAGE_TAG", "IMAGE_BACKENDS", "log_token_heatmap", "wants_heatmap"]
+__all__ = ["HTML_TAG", "IMAGE_TAG", "IMAGE_BACKENDS", "log_token_heatmap", "tracker_responses", "wants_heatmap"]
 
 logger = logging.getLogger(__name__)
 
 IMAGE_TAG = "token_heatmap/advantage"
 HTML_TAG = "token_heatmap/html"
 IMAGE_BACKENDS = ("tensorboard", "wandb")
-# Kept small: the tracker shows one picture per step, the files on disk keep the same page.
+# Kept small: the tracker shows one picture per step; tokens_<step>.jsonl keeps every dumped response.
 TRACKER_MAX_PROMPTS = 4
+TRACKER_RESPONSES_PER_COLUMN = 3
+WANDB_MAX_HTML_BYTES = 10_000_000
 
 
 def wants_heatmap(tracking: Any) -> list[str]:
@@ -67,7 +74,7 @@ def log_token_heatmap(
         from gtpo.viz.dump_reader import responses_from_records
         from gtpo.viz.tokens import render_heatmap
 
-        responses = responses_from_records(list(records))
+        responses = tracker_responses(responses_from_records(list(records)), max_prompts)
         color = "advantage" if all(r.advantages is not None for r in responses) else "score"
         html_path, png_path = render_heatmap(
             responses, Path(out_dir) / f"tokens_{step}.{color}", color=color, max_prompts=max_prompts
@@ -78,6 +85,19 @@ def log_token_heatmap(
         logger.warning("token heatmap of step %s not logged to %s: %r", step, ",".join(backends), e)
         return {}
     return {"html": str(html_path), "png": str(png_path), "backends": ",".join(backends)}
+
+
+def tracker_responses(responses: list, max_prompts: int) -> list:
+    """The responses the tracker shows: per prompt group (the first ``max_prompts``), the first
+    :data:`TRACKER_RESPONSES_PER_COLUMN` of each column (correct, incorrect, ungraded)."""
+    from gtpo.viz.heatmap_style import columns, group_by_prompt
+
+    return [
+        r
+        for group in group_by_prompt(responses, max_prompts)
+        for _, rs in columns(group)
+        for r in rs[:TRACKER_RESPONSES_PER_COLUMN]
+    ]
 
 
 def _png_array(png_path: Path):
@@ -99,7 +119,13 @@ def _log_tensorboard(adapter: Any, png_path: Path, html_path: Path, step: int) -
 def _log_wandb(wandb: Any, png_path: Path, html_path: Path, step: int) -> None:
     if getattr(wandb, "run", None) is None:
         raise RuntimeError("wandb has no active run")
-    html = html_path.read_text(encoding="utf-8")
+    size = html_path.stat().st_size
+    if size <= WANDB_MAX_HTML_BYTES:
+        html = html_path.read_text(encoding="utf-8")
+    else:
+        html = (
+            f"<p>The token page of step {step} ({size / 1e6:.1f} MB) is too large to upload; it is at {html_path}.</p>"
+        )
     wandb.log({IMAGE_TAG: wandb.Image(str(png_path)), HTML_TAG: wandb.Html(html, inject=False)}, step=step)
 
 
