@@ -184,6 +184,7 @@ def test_tracker_shows_what_its_png_shows():
     rs = [
         Response(uid=f"g{g}", tokens=["x"], key=f"g{g}_{i}", correct=(i % 2 == 0)) for g in range(6) for i in range(10)
     ]
-    shown = tracker_responses(rs, max_prompts=4)
-    assert [r.uid for r in shown] == [f"g{g}" for g in range(4) for _ in range(6)]
-    assert [r.key for r in shown[:6]] == ["g0_0", "g0_2", "g0_4", "g0_1", "g0_3", "g0_5"]  # 3 correct, 3 incorrect
+    shown = tracker_responses(rs, max_prompts=tracker.TRACKER_MAX_PROMPTS)
+    per = 2 * tracker.TRACKER_RESPONSES_PER_COLUMN
+    assert [r.uid for r in shown] == [f"g{g}" for g in range(tracker.TRACKER_MAX_PROMPTS) for _ in range(per)]
+    assert [r.key for r in shown[:4]] == ["g0_0", "g0_2", "g0_1", "g0_3"]  # correct first, then incorrect

@@ -217,7 +217,8 @@ def credited_spans(values: np.ndarray, span: int, k: int) -> list[tuple[str, int
 
 
 def fmt_value(v: float) -> str:
-    return "nan" if not math.isfinite(v) else repr(float(v))
+    """Hover / data value: 6 significant digits (the dump keeps the exact float)."""
+    return "nan" if not math.isfinite(v) else repr(float(f"{float(v):.6g}"))
 
 
 def response_meta(r: Response, with_key: bool = True) -> str:
