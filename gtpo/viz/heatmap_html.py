@@ -12,9 +12,9 @@ import numpy as np
 from gtpo.viz.dump_reader import Response
 from gtpo.viz.heatmap_style import (
     ColorScale,
-    check_mode,
     columns,
     display_text,
+    figure_scales,
     fmt_value,
     group_by_prompt,
     hex_colors,
@@ -23,7 +23,6 @@ from gtpo.viz.heatmap_style import (
     prompt_preview,
     response_meta,
     scale_label,
-    strip_mode,
     text_is_dark,
     token_values,
 )
@@ -127,10 +126,8 @@ def render_html(
     """Write the self-contained HTML page; returns its path. Groups by uid, columns correct | incorrect."""
     groups = group_by_prompt(responses, max_prompts)
     shown = [r for g in groups for r in g]
-    check_mode(shown, color)
-    scale = ColorScale.fit(color, [token_values(r, color) for r in shown] if color != "none" else [], vmax)
-    strip = strip_mode(color, shown)
-    strip_scale = ColorScale.fit(strip, [token_values(r, strip) for r in shown]) if strip else None
+    # One scale per signal for the whole figure, fitted on every response of the shown groups.
+    scale, strip_scale = figure_scales(color, shown, vmax)
     parts = [
         '<!DOCTYPE html><html><head><meta charset="utf-8">',
         f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",

@@ -26,10 +26,10 @@ import numpy as np
 from gtpo.viz.dump_reader import Response
 from gtpo.viz.heatmap_style import (
     ColorScale,
-    check_mode,
     columns,
     credited_spans,
     display_text,
+    figure_scales,
     group_by_prompt,
     hex_colors,
     is_special,
@@ -37,7 +37,6 @@ from gtpo.viz.heatmap_style import (
     prompt_preview,
     response_meta,
     scale_label,
-    strip_mode,
     text_is_dark,
     token_values,
 )
@@ -262,11 +261,8 @@ def render_png(
         )
     groups = group_by_prompt(responses, max_prompts)
     shown_all = [r for g in groups for r in g]
-    check_mode(shown_all, color)
-    # One scale per signal for the whole figure, fitted on every response of the shown groups (as the HTML).
-    scale = ColorScale.fit(color, [token_values(r, color) for r in shown_all] if color != "none" else [], vmax)
-    strip = strip_mode(color, shown_all)
-    strip_scale = ColorScale.fit(strip, [token_values(r, strip) for r in shown_all]) if strip else None
+    # One scale per signal for the whole figure, fitted on every response of the shown groups.
+    scale, strip_scale = figure_scales(color, shown_all, vmax)
 
     ncols_max = max((len(columns(g)) for g in groups), default=1)
     total_w = ncols_max * width_chars + (ncols_max - 1) * COLUMN_GAP
@@ -303,7 +299,9 @@ def render_png(
                 else:
                     toks = r.tokens[:png_max_tokens]
                     box = scale.rgba(token_values(r, color)[: len(toks)])
-                    strip_rgba = strip_scale.rgba(token_values(r, strip)[: len(toks)]) if strip_scale else None
+                    strip_rgba = (
+                        strip_scale.rgba(token_values(r, strip_scale.mode)[: len(toks)]) if strip_scale else None
+                    )
                     cy = _token_rows(cv, x0, cy, toks, box, strip_rgba, width_chars)
                     if len(r.tokens) > png_max_tokens:
                         cv.text(x0, cy + 0.5, f"… {len(r.tokens) - png_max_tokens:,} more tokens", "#888")

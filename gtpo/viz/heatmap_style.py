@@ -145,6 +145,16 @@ def strip_mode(mode: str, responses: Sequence[Response]) -> str | None:
     return other
 
 
+def figure_scales(
+    color: str, shown: Sequence[Response], vmax: float | None = None
+) -> tuple[ColorScale, ColorScale | None]:
+    """The box scale and the strip scale of one figure, each fitted once over every shown token."""
+    check_mode(shown, color)
+    scale = ColorScale.fit(color, [token_values(r, color) for r in shown] if color != "none" else [], vmax)
+    strip = strip_mode(color, shown)
+    return scale, (ColorScale.fit(strip, [token_values(r, strip) for r in shown]) if strip else None)
+
+
 def scale_label(scale: ColorScale) -> str:
     """The legend's statement of a scale, e.g. ``advantage, -2.06 .. +2.06 (0 = white)``."""
     if scale.mode == "entropy":

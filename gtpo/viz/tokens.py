@@ -34,9 +34,9 @@ from gtpo.viz.heatmap_style import (
     COLOR_MODES,
     ENTROPY_CMAP,
     ColorScale,
+    figure_scales,
     group_by_prompt,
     mode_label,
-    token_values,
 )
 
 __all__ = [
@@ -127,7 +127,7 @@ def render_tokens(
         title=heatmap_title(color, shown, src.name),
         png=png,
     )
-    scale = ColorScale.fit(color, [token_values(r, color) for r in shown] if color != "none" else [], vmax)
+    scale = figure_scales(color, shown, vmax)[0]
     return {
         "html": html_path,
         "png": png_path,

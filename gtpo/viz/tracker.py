@@ -18,7 +18,7 @@ Size: the tracker's page shows what its PNG shows (:data:`TRACKER_MAX_PROMPTS` p
 8 responses of 4,096 tokens make ~7 MB (and a ~0.8 MB PNG); a page over :data:`WANDB_MAX_HTML_BYTES` is not
 uploaded to W&B (a short page with its path is logged instead). ``python -m gtpo.viz tokens`` renders every
 response of the step's dump. Rendering and logging a step of 8 prompts x 16 responses of 4,096 tokens takes
-~1.3 s on one CPU core.
+~1.3 s on a shared 2-core CPU machine.
 """
 
 from __future__ import annotations
