@@ -614,3 +614,14 @@ def test_compact_mode_reports_span_positions(tmp_path, monkeypatch):
     assert heads[0].startswith("+1 most credited · tokens 1,000–1,023 · mean advantage +3")
     assert any(h.startswith("−1 least credited · tokens 3,000–3,023 · mean advantage -3") for h in heads)
     assert any("overview of all 4,096 tokens" in s for s in drawn)
+
+
+def test_verl_dump_with_an_empty_response(tmp_path):
+    class BatchTokenizer(ByteTokenizer):
+        def batch_decode(self, seqs, skip_special_tokens=False):
+            return [self.decode(s) for s in seqs] or [""]  # as transformers 5 answers an empty batch
+
+    p = tmp_path / "3.jsonl"
+    p.write_text(json.dumps({"input": "say 3", "output": "", "score": 0.0, "step": 3, "uid": "u_0_0"}) + "\n")
+    (resp,) = load_responses(p, tokenizer=BatchTokenizer())
+    assert resp.tokens == [] and resp.token_ids == []

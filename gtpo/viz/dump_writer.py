@@ -63,6 +63,8 @@ def to_numpy(x: Any, name: str) -> np.ndarray:
 def piece_table(tokenizer: Any, ids: np.ndarray) -> dict[int, str]:
     """Decode each distinct id once (batched when the tokenizer allows)."""
     uniq = [int(i) for i in np.unique(ids)]
+    if not uniq:  # an empty response; transformers 5's batch_decode([]) returns [""], not []
+        return {}
     if hasattr(tokenizer, "batch_decode"):
         pieces = tokenizer.batch_decode([[i] for i in uniq], skip_special_tokens=False)
     else:
