@@ -625,3 +625,13 @@ def test_verl_dump_with_an_empty_response(tmp_path):
     p.write_text(json.dumps({"input": "say 3", "output": "", "score": 0.0, "step": 3, "uid": "u_0_0"}) + "\n")
     (resp,) = load_responses(p, tokenizer=BatchTokenizer())
     assert resp.tokens == [] and resp.token_ids == []
+
+
+def test_cli_compact_mode_options(tmp_path, capsys):
+    tokens, adv, ent = _long_response(600)
+    dump = _one_response_dump(tmp_path, tokens, adv, ent)
+    out = tmp_path / "viz"
+    assert viz_main(["tokens", "--input", str(dump), "--out", str(out), "--png-max-tokens", "1000"]) == 0
+    full = imread(out / "tokens_1.advantage.png").shape[0]
+    assert viz_main(["tokens", "--input", str(dump), "--out", str(out), "--span-tokens", "8"]) == 0
+    assert imread(out / "tokens_1.advantage.png").shape[0] < full / 2  # 600 tokens > 240: compact

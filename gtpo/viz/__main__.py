@@ -43,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="without 'acc', a response is correct when score > this (default 0)",
     )
     t.add_argument("--no-png", action="store_true", help="write only the HTML")
+    t.add_argument(
+        "--png-max-tokens",
+        type=_positive_int,
+        default=240,
+        help="longer responses are drawn in compact mode in the PNG: an overview and their most / least credited "
+        "spans (default 240)",
+    )
+    t.add_argument("--span-tokens", type=_positive_int, default=24, help="tokens per span in compact mode (default 24)")
 
     c = sub.add_parser("curves", help="training curves of one or more runs (PNG)")
     c.add_argument(
@@ -80,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                 vmax=args.vmax,
                 correct_threshold=args.correct_threshold,
                 png=not args.no_png,
+                png_max_tokens=args.png_max_tokens,
+                span_tokens=args.span_tokens,
             )
             print(f"{res['input']}: {res['n_prompts']} prompts, {res['n_responses']} responses")
             print(f"wrote {res['html']}" + (f" and {res['png']}" if res["png"] else ""))

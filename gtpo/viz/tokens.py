@@ -79,13 +79,17 @@ def render_heatmap(
     vmax: float | None = None,
     title: str | None = None,
     png: bool = True,
+    **png_options: Any,
 ) -> tuple[Path, Path | None]:
-    """Write ``<out_stem>.html`` and (with ``png``) ``<out_stem>.png``; returns both paths."""
+    """Write ``<out_stem>.html`` and (with ``png``) ``<out_stem>.png``; returns both paths. ``png_options`` go to
+    :func:`render_png` (``png_max_tokens``, ``span_tokens``, ...)."""
     out_stem = Path(out_stem)
     title = title or heatmap_title(color, group_responses(responses, max_prompts))
     kwargs = dict(color=color, max_prompts=max_prompts, vmax=vmax, title=title)
     html_path = render_html(responses, out_stem.with_name(out_stem.name + ".html"), **kwargs)
-    png_path = render_png(responses, out_stem.with_name(out_stem.name + ".png"), **kwargs) if png else None
+    png_path = (
+        render_png(responses, out_stem.with_name(out_stem.name + ".png"), **kwargs, **png_options) if png else None
+    )
     return html_path, png_path
 
 
@@ -105,11 +109,13 @@ def render_tokens(
     vmax: float | None = None,
     correct_threshold: float = 0.0,
     png: bool = True,
+    **png_options: Any,
 ) -> dict[str, Any]:
     """Load a dump (file or rollout_data_dir) and write ``<stem>.<color>.html`` (+ ``.png``) into ``out_dir``.
 
     ``tokenizer`` is a tokenizer object or a local path for ``transformers.AutoTokenizer`` (only used to split
-    verl's text dumps into tokens). Returns ``{"html", "png", "input", "n_prompts", "n_responses", "scale"}``.
+    verl's text dumps into tokens); ``png_options`` go to :func:`render_png`. Returns ``{"html", "png", "input",
+    "n_prompts", "n_responses", "scale"}``.
     """
     src = find_dump(input_path, step)
     if isinstance(tokenizer, str | Path):
@@ -126,6 +132,7 @@ def render_tokens(
         vmax=vmax,
         title=heatmap_title(color, shown, src.name),
         png=png,
+        **png_options,
     )
     scale = figure_scales(color, shown, vmax)[0]
     return {
