@@ -628,10 +628,10 @@ def test_verl_dump_with_an_empty_response(tmp_path):
 
 
 def test_cli_compact_mode_options(tmp_path, capsys):
-    tokens, adv, ent = _long_response(600)
+    tokens, adv, ent = _long_response(1500)
     dump = _one_response_dump(tmp_path, tokens, adv, ent)
     out = tmp_path / "viz"
-    assert viz_main(["tokens", "--input", str(dump), "--out", str(out), "--png-max-tokens", "1000"]) == 0
+    assert viz_main(["tokens", "--input", str(dump), "--out", str(out), "--png-max-tokens", "2000"]) == 0
     full = imread(out / "tokens_1.advantage.png").shape[0]
     assert viz_main(["tokens", "--input", str(dump), "--out", str(out), "--span-tokens", "8"]) == 0
-    assert imread(out / "tokens_1.advantage.png").shape[0] < full / 2  # 600 tokens > 240: compact
+    assert imread(out / "tokens_1.advantage.png").shape[0] < full / 2  # 1,500 tokens > 240: compact
