@@ -74,12 +74,19 @@ def log_token_heatmap(
         return {}
     try:
         from gtpo.viz.dump_reader import responses_from_records
-        from gtpo.viz.tokens import render_heatmap
+        from gtpo.viz.tokens import heatmap_title, render_heatmap
 
         responses = tracker_responses(responses_from_records(list(records)), max_prompts)
         color = "advantage" if all(r.advantages is not None for r in responses) else "score"
+        # The counts on the page are of the shown responses: the title says which ones they are.
+        k = TRACKER_RESPONSES_PER_COLUMN
+        shown = f"up to {k} correct and {k} incorrect responses of {len({r.uid for r in responses})} prompts"
         html_path, png_path = render_heatmap(
-            responses, Path(out_dir) / f"tokens_{step}.{color}", color=color, max_prompts=max_prompts
+            responses,
+            Path(out_dir) / f"tokens_{step}.{color}",
+            color=color,
+            max_prompts=max_prompts,
+            title=heatmap_title(color, responses, shown),
         )
         for name in backends:
             _LOGGERS[name](tracking.logger[name], png_path, html_path, step)
