@@ -264,3 +264,39 @@ def test_demo_learns(ray_cluster, assets, tmp_path):
     assert last > first + 0.3, rewards
     # the GTPO estimator really ran (its diagnostics are logged)
     assert any(k.startswith("gtpo/") for k in result.last()), sorted(result.last())
+
+
+def test_make_plots_draws_curves_and_the_heatmap_of_the_mixed_step(tmp_path, assets):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(
+        "\n".join(
+            json.dumps({"step": s, "data": {demo.REWARD_KEY: v, "actor/entropy": 3.0}})
+            for s, v in [(1, 0.1), (2, 0.45), (3, 0.9)]
+        )
+        + "\n"
+    )
+    rollouts = tmp_path / "rollouts"
+    rollouts.mkdir()
+    rec = {
+        "step": 0,
+        "uid": "u",
+        "prompt": "say 3",
+        "response_tokens": ["3", "\n"],
+        "advantages": [1.0, 0.5],
+        "entropy": [2.0, 1.0],
+        "score": 1.0,
+    }
+    for step in (1, 2, 3):
+        (rollouts / f"tokens_{step}.jsonl").write_text(json.dumps({**rec, "step": step}) + "\n")
+    written = demo.make_plots(tmp_path, "gtpo", metrics, rollouts, assets.tokenizer_dir, [])
+    assert written["heatmap_step"] == 2  # reward closest to 0.5
+    assert Path(written["curves"]).is_file()
+    assert (tmp_path / "heatmap" / "tokens_2.advantage.png").is_file()
+    # Without token dumps: verl's text dump of that step, coloured by score.
+    for p in rollouts.glob("tokens_*.jsonl"):
+        p.unlink()
+    (rollouts / "2.jsonl").write_text(
+        json.dumps({"input": "say 3", "output": "3", "score": 1.0, "step": 2, "uid": "u_0_0"}) + "\n"
+    )
+    written = demo.make_plots(tmp_path / "text", "gtpo", metrics, rollouts, assets.tokenizer_dir, [])
+    assert written["heatmap_step"] == 2 and (tmp_path / "text" / "heatmap" / "2.score.png").is_file()

@@ -13,7 +13,7 @@ import pytest
 from matplotlib.image import imread
 
 from gtpo.viz.__main__ import main as viz_main
-from gtpo.viz.curves import load_metrics, parse_run_spec, plot_curves
+from gtpo.viz.curves import METRIC_TITLES, load_metrics, metric_title, parse_run_spec, plot_curves
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VAL_KEY = "val-core/math_dapo/acc/mean@4"
@@ -137,7 +137,7 @@ def test_bad_logs(tmp_path):
         load_metrics(p)
     with pytest.raises(ValueError, match="not found"):
         load_metrics(tmp_path / "missing.jsonl")
-    with pytest.raises(ValueError, match="unique"):
+    with pytest.raises(ValueError, match="given twice"):
         plot_curves([("x", p), ("x", p)], tmp_path / "x.png")
     with pytest.raises(ValueError, match="smooth"):
         plot_curves([("x", p)], tmp_path / "x.png", smooth=1.0)
@@ -158,3 +158,60 @@ def test_cli_curves(verl_logs, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "gtpo: critic/score/mean (5 points)" in printed and f"{VAL_KEY} (3 points)" in printed
     assert viz_main(["curves", "--run", f"x={tmp_path / 'none.jsonl'}", "--out", str(out)]) == 2
+
+
+@pytest.mark.parametrize(
+    ("key", "title", "source"),
+    [
+        ("critic/score/mean", "mean reward", None),
+        ("actor/entropy", "policy entropy", None),
+        ("response_length/mean", "response length", None),
+        ("val-core/aime24/acc/mean@32", "validation Mean@32", "aime24"),
+        ("val-core/math500/acc/Mean@32", "validation Mean@32", "math500"),  # case of the renamed keys
+        ("val-core/aime24/acc/pass@4", "validation Pass@4", "aime24"),
+        ("val-core/aime24/acc/pass@32/mean", "validation Pass@32", "aime24"),
+        ("val-core/aime24/acc/best@32/mean", "validation best@32 (verl bootstrap)", "aime24"),
+        ("gtpo/conservation_err", "gtpo/conservation_err", None),  # no entry: the key itself
+    ],
+)
+def test_metric_titles(key, title, source):
+    assert metric_title(key) == (title, source)
+
+
+def test_titles_are_table_driven(monkeypatch):
+    import re
+
+    import gtpo.viz.curves as curves
+
+    table = (*METRIC_TITLES, (r"val-core/(?P<source>[^/]+)/acc/worst@(?P<n>\d+)", "validation worst@{n}"))
+    monkeypatch.setattr(curves, "_TITLE_RES", tuple((re.compile(rx, re.I), t) for rx, t in table))
+    assert curves.metric_title("val-core/amc/acc/worst@8") == ("validation worst@8", "amc")
+
+
+def _seed_log(path: Path, rewards: list[float], first_step: int = 1) -> Path:
+    lines = [json.dumps({"step": first_step + i, "data": {"critic/score/mean": v}}) for i, v in enumerate(rewards)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_seeds_of_one_method_are_mean_and_band(tmp_path):
+    s0 = _seed_log(tmp_path / "s0.jsonl", [0.0, 0.2, 0.4, 0.6])
+    s1 = _seed_log(tmp_path / "s1.jsonl", [0.2, 0.4, 0.6, 0.8, 1.0])  # one step more: left out of the mean
+    s2 = _seed_log(tmp_path / "s2.jsonl", [0.1, 0.3, 0.5, 0.7])
+    other = _seed_log(tmp_path / "grpo.jsonl", [0.5, 0.5])
+    out = tmp_path / "seeds.png"
+    series = plot_curves(
+        [("gtpo", s0), ("gtpo", s1), ("gtpo", s2), ("grpo", other)], out, metrics=["critic/score/mean"]
+    )
+    steps, mean = series["gtpo"]["critic/score/mean"]
+    assert steps == [1, 2, 3, 4]  # the steps every seed logged
+    assert np.allclose(mean, [0.1, 0.3, 0.5, 0.7])
+    assert series["grpo"]["critic/score/mean"] == ([1, 2], [0.5, 0.5])  # a single run stays raw
+    # The band: a translucent fill in the first run colour (C0) covers a region, absent without seeds.
+    img = imread(out)[..., :3]
+    single = tmp_path / "single.png"
+    plot_curves([("gtpo", s0), ("grpo", other)], single, metrics=["critic/score/mean"])
+    c0 = np.array([0x1F, 0x77, 0xB4]) / 255.0
+    band = 1 - 0.2 * (1 - c0)  # C0 at alpha 0.2 over white
+    count = lambda im: int((np.abs(im - band).max(-1) < 0.03).sum())  # noqa: E731
+    assert count(img) > 500 + 10 * count(imread(single)[..., :3])  # the single-run plot has only antialiased edges

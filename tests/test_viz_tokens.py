@@ -481,3 +481,157 @@ def test_cli_tokens(dump, tmp_path, capsys):
     assert (out / "tokens_7.entropy.png").read_bytes()[:8] == PNG_MAGIC
     assert "2 prompts, 5 responses" in capsys.readouterr().out
     assert viz_main(["tokens", "--input", str(tmp_path / "nope"), "--out", str(out)]) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading at a glance: boundaries, prompt text, two signals, long responses
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _one_response_dump(tmp_path: Path, tokens, adv, ent, prompt="say 3", name="tokens_1.jsonl") -> Path:
+    rec = {
+        "step": 1,
+        "uid": "0b6b4f6e-uuid",
+        "key": "0b6b4f6e-uuid_0_0",
+        "prompt": prompt,
+        "response_tokens": list(tokens),
+        "token_ids": list(range(len(tokens))),
+        "advantages": list(adv),
+        "entropy": list(ent),
+        "score": 1.0,
+        "acc": True,
+    }
+    return write_token_dump([rec], tmp_path / name)
+
+
+def test_png_token_boundaries_are_visible(tmp_path):
+    # Four tokens of the same colour that read "33twois" when drawn edge to edge.
+    dump = _one_response_dump(tmp_path, ["3", "3", "two", "is"], [1.0] * 4, [0.5] * 4)
+    path = render_png(load_responses(dump), tmp_path / "b.png", color="advantage")
+    img = imread(path)[..., :3]
+    box = np.array(colormaps[ADVANTAGE_CMAP](1.0)[:3])  # A = vmax
+    is_box = np.abs(img - box).max(-1) < 0.02
+    band = is_box.sum(1) > 0.5 * is_box.sum(1).max()  # the rows the boxes span
+    has_box = is_box[band].any(0)  # glyph columns still have box pixels above and below the glyph
+    x0, x1 = np.flatnonzero(has_box)[[0, -1]]
+    inner = has_box[x0 : x1 + 1].astype(int)
+    edges = np.flatnonzero(np.diff(inner))
+    gaps = [(a, b) for a, b in zip(edges[::2], edges[1::2], strict=True) if b - a >= 2]  # >= 2 px with no box
+    assert len(gaps) == 3  # between the four tokens
+
+
+def test_prompt_text_names_the_group(tmp_path):
+    from gtpo.viz.heatmap_style import prompt_preview
+
+    chat = "system\nYou are Qwen, created by Alibaba Cloud.\nuser\nWhat is  1+1?\nassistant\n"
+    assert prompt_preview(chat, "u") == "“What is 1+1?”"  # the user turn, whitespace collapsed
+    assert prompt_preview("x" * 100, "u", limit=12) == "“xxxxxxxxx…”"
+    assert prompt_preview(None, "u-1") == "prompt u-1"
+    dump = _one_response_dump(tmp_path, ["3"], [1.0], [0.5], prompt=chat)
+    raw = render_html(load_responses(dump), tmp_path / "p.html").read_text(encoding="utf-8")
+    assert re.search(r"<h2>“What is 1\+1\?”", raw)
+    assert "<h2>prompt 0b6b4f6e" not in raw
+
+
+def test_html_entropy_strip_and_both_values_on_hover(dump, tmp_path):
+    path = render_html(load_responses(dump), tmp_path / "a.html", color="advantage")
+    raw = path.read_text(encoding="utf-8")
+    page = _parse(path)
+    hmax = max(v for _, _, _, h, _ in RESPONSES for v in h)
+    cmap = colormaps[ENTROPY_CMAP]
+    spans = re.findall(r'<span class="tok" [^>]*style="([^"]*)"', raw)
+    strips = [dict(p.split(":", 1) for p in st.split(";"))["border-bottom-color"] for st in spans]
+    want = [_hex(cmap(h / hmax)) for s in page.sections for c in s["cols"] for r in c["resps"] for h in _ent(r)]
+    assert strips == want  # the strip under each token is its entropy, on one scale for the page
+    bar = re.search(r'class="strip-bar"[^>]*data-vmin="([^"]+)" data-vmax="([^"]+)"', raw)
+    assert bar and float(bar.group(1)) == 0.0 and float(bar.group(2)) == hmax
+    tok = _by_key(page)["p0_0_0"][3]
+    assert tok["title"].startswith("advantage=2.0") and "entropy=0.8" in tok["title"]
+
+
+def _ent(resp: dict) -> list[float]:
+    i = int(resp["key"].rsplit("_", 1)[1])
+    return RESPONSES[i][3]
+
+
+def test_special_tokens_are_marked(tmp_path):
+    dump = _one_response_dump(tmp_path, ["4", "<|im_end|>", "<unk>", "<b>"], [1.0] * 4, [0.5] * 4)
+    raw = render_html(load_responses(dump), tmp_path / "s.html").read_text(encoding="utf-8")
+    marked = re.findall(r'data-tok="([^"]*)"[^>]*data-special', raw)
+    assert marked == ["&lt;|im_end|&gt;", "&lt;unk&gt;"]  # an HTML-looking "<b>" is not a special token
+
+
+def test_credited_spans_hand_computed():
+    from gtpo.viz.heatmap_style import credited_spans
+
+    v = np.array([0.0, 0.0, 5.0, 5.0, 0.0, 1.0, -3.0, -3.0, 0.0, np.nan])
+    assert credited_spans(v, 2, 1) == [("most", 2, 4, 5.0), ("least", 6, 8, -3.0)]
+    spans = credited_spans(v, 2, 2)
+    assert [s[:3] for s in spans] == [("most", 2, 4), ("most", 4, 6), ("least", 6, 8), ("least", 0, 2)]
+    taken = np.zeros(10, dtype=int)
+    for _, a, b, _ in spans:
+        taken[a:b] += 1
+    assert taken.max() == 1  # never overlapping, never on both sides
+    assert credited_spans(np.array([np.nan, 1.0]), 1, 1) == [("most", 1, 2, 1.0)]  # NaN windows are never picked
+
+
+def _long_response(n: int = 4096):
+    rng = np.random.default_rng(0)
+    tokens = [("·" if i % 7 == 0 else "") + f"w{i % 97}" for i in range(n)]
+    adv = rng.normal(0, 0.1, n)
+    adv[1000:1024] = 3.0  # the most credited span
+    adv[3000:3024] = -3.0  # the least credited span
+    return tokens, adv, rng.gamma(1.0, 1.0, n)
+
+
+def test_4096_token_response_stays_legible_in_compact_mode(tmp_path):
+    tokens, adv, ent = _long_response()
+    dump = _one_response_dump(tmp_path, tokens, adv, ent)
+    path = render_png(load_responses(dump), tmp_path / "long.png", color="advantage", span_tokens=24)
+    img = imread(path)[..., :3]
+    # One response of 4,096 tokens wrapped in full would need ~300 rows; compact mode draws a screenful.
+    assert img.shape[0] < 900
+    short = render_png(load_responses(dump), tmp_path / "full.png", png_max_tokens=5000)
+    assert imread(short).shape[0] > 4 * img.shape[0]
+    # Both hand-placed spans are drawn as token boxes in the extreme colours of the scale.
+    vmax = float(np.abs(adv).max())
+    for a in (3.0, -3.0):
+        want = np.array(colormaps[ADVANTAGE_CMAP](0.5 + 0.5 * a / vmax)[:3])
+        assert (np.abs(img - want).max(-1) < 0.02).sum() > 400, a
+
+
+def test_compact_mode_reports_span_positions(tmp_path, monkeypatch):
+    import gtpo.viz.heatmap_png as png
+
+    drawn = []
+    original = png._Canvas.text
+    monkeypatch.setattr(
+        png._Canvas, "text", lambda self, x, y, s, *a, **k: (drawn.append(s), original(self, x, y, s, *a, **k))
+    )
+    tokens, adv, ent = _long_response()
+    render_png(load_responses(_one_response_dump(tmp_path, tokens, adv, ent)), tmp_path / "l.png", span_tokens=24)
+    heads = [s for s in drawn if "credited · tokens" in s]
+    assert heads[0].startswith("+1 most credited · tokens 1,000–1,023 · mean advantage +3")
+    assert any(h.startswith("−1 least credited · tokens 3,000–3,023 · mean advantage -3") for h in heads)
+    assert any("overview of all 4,096 tokens" in s for s in drawn)
+
+
+def test_verl_dump_with_an_empty_response(tmp_path):
+    class BatchTokenizer(ByteTokenizer):
+        def batch_decode(self, seqs, skip_special_tokens=False):
+            return [self.decode(s) for s in seqs] or [""]  # as transformers 5 answers an empty batch
+
+    p = tmp_path / "3.jsonl"
+    p.write_text(json.dumps({"input": "say 3", "output": "", "score": 0.0, "step": 3, "uid": "u_0_0"}) + "\n")
+    (resp,) = load_responses(p, tokenizer=BatchTokenizer())
+    assert resp.tokens == [] and resp.token_ids == []
+
+
+def test_cli_compact_mode_options(tmp_path, capsys):
+    tokens, adv, ent = _long_response(1500)
+    dump = _one_response_dump(tmp_path, tokens, adv, ent)
+    out = tmp_path / "viz"
+    assert viz_main(["tokens", "--input", str(dump), "--out", str(out), "--png-max-tokens", "2000"]) == 0
+    full = imread(out / "tokens_1.advantage.png").shape[0]
+    assert viz_main(["tokens", "--input", str(dump), "--out", str(out), "--span-tokens", "8"]) == 0
+    assert imread(out / "tokens_1.advantage.png").shape[0] < full / 2  # 1,500 tokens > 240: compact

@@ -43,492 +43,107 @@ Deliberate choices:
 * The reward never raises on odd responses (empty, special tokens only): they simply score 0.
 * The token heatmap shows the step whose batch reward is closest to 0.5 (``--heatmap-step`` picks another): late in
   a run every group is all-correct and GRPO's advantages are all 0.
+
+Modules: :mod:`gtpo.cpu.demo_task` (task, reward, assets), :mod:`gtpo.cpu.demo_trainer` (trainer overrides and
+command), :mod:`gtpo.cpu.demo_results` (rewards, summary, plots); this module is the command line and re-exports
+their names (``reward.custom_reward_function.path=pkg://gtpo.cpu.demo`` loads :func:`compute_score` from here).
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
-import hashlib
 import json
-import math
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from gtpo.verl_plugin.file_log import read_file_log
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-DEMO_VERSION = 1
-DATA_SOURCE = "cpu_demo/say_digit"
-
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
-PAD_TOKEN, EOS_TOKEN, UNK_TOKEN = "<|endoftext|>", "<|im_end|>", "<unk>"
-NEWLINE = "\n"
-DIGITS = tuple(str(d) for d in range(10))
-NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-FILLER_WORDS = tuple("the a is and of to it yes no ok i you what number answer = .".split())
-# Word-level vocabulary in id order; "\n" is appended last as an added token (see module docstring).
-WORDS = ("say", *DIGITS, *NUMBER_WORDS, *FILLER_WORDS)
-CHAT_TEMPLATE = "{%- for message in messages %}{{- message['content'] }}{%- endfor %}"
-
-MODEL_RECIPE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    rope_theta=10_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
+from gtpo.cpu.demo_results import (
+    REWARD_KEY,
+    file_logger_records,
+    heatmap_step,
+    latest_token_dump,
+    load_rewards,
+    make_plots,
+    summarize,
+    token_dumps,
 )
-DATA_RECIPE = dict(repeats=100, val_repeats=1)
-
-# Trainer settings of the demo, appended after backend=cpu_tiny and the method preset so that every method runs the
-# same task with the same budget: the presets' DAPO dynamic sampling (it would also bias the logged training reward
-# towards mixed groups), clip-higher, KL loss and loss aggregation are pinned to one setting.
-DEMO_SETTINGS: tuple[str, ...] = (
-    "data.train_batch_size=8",
-    "data.max_prompt_length=8",
-    "data.max_response_length=4",
-    "data.filter_overlong_prompts=False",
-    "data.truncation=error",
-    "data.dataloader_num_workers=0",
-    "actor_rollout_ref.rollout.n=16",
-    "actor_rollout_ref.rollout.temperature=1.0",
-    "actor_rollout_ref.rollout.top_p=1.0",
-    "actor_rollout_ref.rollout.top_k=-1",
-    "actor_rollout_ref.rollout.response_length=4",
-    "actor_rollout_ref.rollout.prompt_length=8",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=128",
-    "actor_rollout_ref.actor.optim.lr=1e-3",
-    "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
-    "actor_rollout_ref.actor.ppo_epochs=1",
-    "actor_rollout_ref.actor.use_kl_loss=False",
-    "actor_rollout_ref.actor.entropy_coeff=0",
-    "actor_rollout_ref.actor.loss_agg_mode=token-mean",
-    "actor_rollout_ref.actor.clip_ratio_low=0.2",
-    "actor_rollout_ref.actor.clip_ratio_high=0.2",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=128",
-    "algorithm.use_kl_in_reward=False",
-    "algorithm.filter_groups.enable=False",
-    "reward.custom_reward_function.path=pkg://gtpo.cpu.demo",
-    "reward.custom_reward_function.name=compute_score",
-    "trainer.total_epochs=1000",
-    "trainer.test_freq=-1",
-    "trainer.save_freq=-1",
-    "trainer.val_before_train=False",
-    "trainer.logger=[console,file]",
-    "trainer.project_name=gtpo_cpu_demo",
+from gtpo.cpu.demo_task import (
+    CHAT_TEMPLATE,
+    DATA_RECIPE,
+    DATA_SOURCE,
+    DEMO_VERSION,
+    DIGITS,
+    EOS_TOKEN,
+    FILLER_WORDS,
+    MODEL_RECIPE,
+    NEWLINE,
+    NUMBER_WORDS,
+    PAD_TOKEN,
+    SPECIAL_TOKENS,
+    UNK_TOKEN,
+    WORDS,
+    DemoAssets,
+    build_demo_assets,
+    build_model,
+    build_rows,
+    build_tokenizer,
+    compute_score,
+    recipe_key,
+    score_response,
+)
+from gtpo.cpu.demo_trainer import (
+    DEMO_SETTINGS,
+    METHOD_SETTINGS,
+    REPO_ROOT,
+    demo_overrides,
+    method_overrides,
+    trainer_command,
+    trainer_env,
 )
 
-# Per-method demo settings, appended after DEMO_SETTINGS. GTPO whitens the shaped token rewards jointly: under the
-# paper's split normalisation (docs/ALGORITHMS.md §3.7) this task cannot be learned at all. The only token that decides
-# the reward is the first one, and all responses of a group share its context, so its entropy is equal across the
-# group, its shaped reward equals the set mean and its advantage is exactly 0 (claim A1-T2); the remaining
-# advantages carry no sign of correctness. `-- algorithm.gtpo.norm_mode=split` shows it (the reward does not rise).
-METHOD_SETTINGS: dict[str, tuple[str, ...]] = {
-    "gtpo": ("++algorithm.gtpo.norm_mode=joint",),
-}
-
-REWARD_KEY = "critic/score/mean"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# reward
-
-
-def score_response(response: str, target: str) -> float:
-    """1.0 if the first whitespace-separated word of ``response`` equals ``target`` (stripped), else 0.0."""
-    words = response.split()
-    return 1.0 if words and words[0] == str(target).strip() else 0.0
-
-
-def compute_score(data_source=None, solution_str: str = "", ground_truth: str = "", extra_info=None, **kwargs) -> float:
-    """verl custom reward (``reward.custom_reward_function``): the demo's 0/1 reward of a decoded response."""
-    if solution_str is None:
-        return 0.0
-    return score_response(str(solution_str), str(ground_truth))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# assets
-
-
-@dataclass(frozen=True)
-class DemoAssets:
-    """Paths of the built demo assets (all absolute)."""
-
-    model_dir: str
-    tokenizer_dir: str
-    train_parquet: str
-    val_parquet: str
-
-
-def build_tokenizer():
-    """The demo's word-level tokenizer as a transformers fast tokenizer (43 tokens, ``"\\n"`` is one token)."""
-    from tokenizers import AddedToken, Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *WORDS))}
-    core = Tokenizer(WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
-    core.pre_tokenizer = WhitespaceSplit()
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    # An added token is matched before the whitespace pre-tokenizer would drop it.
-    core.add_tokens([AddedToken(NEWLINE, special=False, normalized=False)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=UNK_TOKEN)
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
-
-
-def build_model(vocab_size: int, seed: int, pad_token_id: int, eos_token_id: int):
-    """Random tiny ``Qwen2ForCausalLM`` (float32) initialised from ``seed``."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        bos_token_id=pad_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        torch_dtype="float32",
-        **MODEL_RECIPE,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
-    model.generation_config.eos_token_id = eos_token_id
-    model.generation_config.pad_token_id = pad_token_id
-    return model
-
-
-def build_rows(repeats: int, split: str) -> list[dict]:
-    """verl RL rows: the ten prompts ``say <d>`` in order 0..9, the block repeated ``repeats`` times."""
-    rows = []
-    for r in range(repeats):
-        for d in DIGITS:
-            rows.append(
-                {
-                    "data_source": DATA_SOURCE,
-                    "prompt": [{"role": "user", "content": f"say {d}"}],
-                    "ability": "toy",
-                    "reward_model": {"style": "rule", "ground_truth": d},
-                    "extra_info": {"split": split, "index": r * len(DIGITS) + int(d)},
-                }
-            )
-    return rows
-
-
-def recipe_key(seed: int) -> str:
-    """Hash of everything the assets are built from (recipe constants, seed, library versions)."""
-    import tokenizers
-    import transformers
-
-    blob = json.dumps(
-        {
-            "version": DEMO_VERSION,
-            "tokens": [*SPECIAL_TOKENS, *WORDS, NEWLINE],
-            "template": CHAT_TEMPLATE,
-            "model": MODEL_RECIPE,
-            "data": DATA_RECIPE,
-            "seed": seed,
-            "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__,
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("GTPO_CACHE_DIR") or Path.home() / ".cache" / "gtpo" / "tiny")
-
-
-def _assets_in(folder: Path) -> DemoAssets:
-    return DemoAssets(
-        model_dir=str(folder / "model"),
-        tokenizer_dir=str(folder / "tokenizer"),
-        train_parquet=str(folder / "data" / "train.parquet"),
-        val_parquet=str(folder / "data" / "val.parquet"),
-    )
-
-
-def _build_into(folder: Path, seed: int) -> None:
-    import pandas as pd
-
-    tok = build_tokenizer()
-    tok.save_pretrained(folder / "tokenizer")
-    model = build_model(len(tok), seed, tok.pad_token_id, tok.eos_token_id)
-    model.save_pretrained(folder / "model", safe_serialization=True)
-    (folder / "data").mkdir()
-    pd.DataFrame(build_rows(DATA_RECIPE["repeats"], "train")).to_parquet(folder / "data" / "train.parquet", index=False)
-    pd.DataFrame(build_rows(DATA_RECIPE["val_repeats"], "test")).to_parquet(
-        folder / "data" / "val.parquet", index=False
-    )
-    (folder / "RECIPE.json").write_text(
-        json.dumps({"version": DEMO_VERSION, "seed": seed, "model": MODEL_RECIPE, "data": DATA_RECIPE}, indent=1)
-    )
-
-
-def build_demo_assets(cache_dir: str | os.PathLike | None = None, seed: int = 0) -> DemoAssets:
-    """Build (once per recipe hash and seed) and return the demo assets; safe to call concurrently."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed={seed!r}: must be a non-negative int")
-    root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()).expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"cpu-demo-{recipe_key(seed)}"
-    if (final / "RECIPE.json").is_file():
-        return _assets_in(final)
-    with open(root / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if (final / "RECIPE.json").is_file():
-                return _assets_in(final)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-            try:
-                _build_into(tmp, seed)
-                if final.exists():
-                    # Left by an interrupted build (no RECIPE.json, so incomplete).
-                    shutil.rmtree(final)
-                os.rename(tmp, final)
-            finally:
-                if tmp.exists():
-                    shutil.rmtree(tmp, ignore_errors=True)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return _assets_in(final)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# trainer command
-
-
-def method_overrides(method: str) -> list[str]:
-    """``method=<m>`` when ``configs/method/<m>.yaml`` exists, else ``algorithm.adv_estimator=<m>``."""
-    if not method or not all(c.isalnum() or c in "_-." for c in method):
-        raise ValueError(f"method={method!r}: expected a preset or estimator name such as gtpo or grpo")
-    if (REPO_ROOT / "configs" / "method" / f"{method}.yaml").is_file():
-        return [f"method={method}"]
-    return [f"algorithm.adv_estimator={method}"]
-
-
-def demo_overrides(
-    assets: DemoAssets,
-    steps: int,
-    seed: int,
-    rollout_dir: str | os.PathLike | None = None,
-    experiment: str = "demo",
-    method: str | None = None,
-) -> list[str]:
-    """Hydra overrides of the demo run (without ``backend=`` / ``method=``); ``method`` adds its METHOD_SETTINGS."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r}: must be a positive int")
-    out = [
-        f"data.train_files={assets.train_parquet}",
-        f"data.val_files={assets.val_parquet}",
-        f"data.seed={seed}",
-        f"actor_rollout_ref.rollout.seed={seed}",
-        f"actor_rollout_ref.model.path={assets.model_dir}",
-        f"actor_rollout_ref.model.tokenizer_path={assets.tokenizer_dir}",
-        *DEMO_SETTINGS,
-        *METHOD_SETTINGS.get(method or "", ()),
-        f"trainer.total_training_steps={steps}",
-        f"trainer.experiment_name={experiment}",
-    ]
-    if rollout_dir is not None:
-        out.append(f"trainer.rollout_data_dir={rollout_dir}")
-    return out
-
-
-def trainer_command(method: str, overrides: list[str], metrics_path: str | os.PathLike, extra: list[str]) -> list[str]:
-    """Full command line of the trainer subprocess (run it from the repository root)."""
-    return [
-        sys.executable,
-        "-m",
-        "recipe.gtpo.main_gtpo",
-        "backend=cpu_tiny",
-        *method_overrides(method),
-        *overrides,
-        f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics_path}",
-        *extra,
-    ]
-
-
-def trainer_env() -> dict[str, str]:
-    """This process's environment plus the CPU backend's variables."""
-    from gtpo.cpu import env as cpu_env
-
-    env = dict(os.environ)
-    env.update(cpu_env())
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("WANDB_MODE", "disabled")
-    return env
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# results
-
-
-def load_rewards(metrics_path: str | os.PathLike, key: str = REWARD_KEY) -> list[tuple[int, float]]:
-    """``[(step, mean reward)]`` from verl's file-logger JSONL (a truncated last line is skipped)."""
-    path = Path(metrics_path)
-    if not path.is_file():
-        return []
-    by_step: dict[int, float] = {}
-    for rec, data in file_logger_records(path):
-        value = data.get(key) if isinstance(data, dict) else None
-        if isinstance(value, int | float) and math.isfinite(value):
-            by_step[int(rec["step"])] = float(value)
-    return sorted(by_step.items())
-
-
-def file_logger_records(path: Path) -> Iterator[tuple[dict, object]]:
-    """``(record, data)`` per step of verl's file-logger JSONL (``file_log.read_file_log``: a resumed run's repeated
-    step counts once, the later record wins); a line still being written is skipped."""
-    for step, data in read_file_log(path, strict=False):
-        yield {"step": step, "data": data}, data
-
-
-def summarize(rewards: list[tuple[int, float]], window: int = 10, target: float = 0.8) -> dict:
-    """Mean reward of the first / last ``window`` steps and the first step whose trailing window mean >= target."""
-    values = [v for _, v in rewards]
-    if not values:
-        return {"steps": 0}
-    w = min(window, len(values))
-    reached = None
-    for i in range(window - 1, len(values)):
-        if sum(values[i - window + 1 : i + 1]) / window >= target:
-            reached = rewards[i][0]
-            break
-    return {
-        "steps": len(values),
-        "window": w,
-        "first_mean": sum(values[:w]) / w,
-        "last_mean": sum(values[-w:]) / w,
-        "target": target,
-        "step_reaching_target": reached,
-    }
-
-
-def token_dumps(rollout_dir: Path) -> dict[int, Path]:
-    """``{step: path}`` of the ``tokens_<step>.jsonl`` dumps in ``rollout_dir``."""
-    found: dict[int, Path] = {}
-    for p in rollout_dir.glob("tokens_*.jsonl"):
-        suffix = p.stem.split("_", 1)[1]
-        if suffix.isdigit():
-            found[int(suffix)] = p
-    return found
-
-
-def latest_token_dump(rollout_dir: Path) -> Path | None:
-    """The ``tokens_<step>.jsonl`` with the highest step in ``rollout_dir``, if any."""
-    dumps = token_dumps(rollout_dir)
-    return dumps[max(dumps)] if dumps else None
-
-
-def heatmap_step(rewards: list[tuple[int, float]], available: set[int]) -> int | None:
-    """The latest available step whose batch reward is closest to 0.5 (most groups mix correct and wrong samples).
-
-    Late in a run every group is all-correct: GRPO's advantages are then all 0 and the picture shows nothing.
-    Falls back to the latest available step when no reward is known for any of them.
-    """
-    known = [(s, v) for s, v in rewards if s in available]
-    if not known:
-        return max(available) if available else None
-    return min(known, key=lambda sv: (abs(sv[1] - 0.5), -sv[0]))[0]
-
-
-def _run_viz(args: list[str], env: dict[str, str]) -> bool:
-    proc = subprocess.run(
-        [sys.executable, "-m", "gtpo.viz", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        print(f"[demo] gtpo.viz {args[0]} failed (rc={proc.returncode}):\n{proc.stderr.strip()}", file=sys.stderr)
-    return proc.returncode == 0
-
-
-def make_plots(
-    out: Path,
-    name: str,
-    metrics_path: Path,
-    rollout_dir: Path,
-    tokenizer_dir: str,
-    also_plot: list[str],
-    step: int | None = None,
-) -> dict[str, object]:
-    """Curves PNG and a token heatmap (HTML + PNG) of the run; returns what was written.
-
-    The heatmap shows ``tokens_<step>.jsonl`` (per-token advantages) for ``step``, by default :func:`heatmap_step`;
-    without token dumps it falls back to verl's text dump of that step, coloured by score.
-    """
-    env = dict(os.environ)
-    env.setdefault("MPLBACKEND", "Agg")
-    written: dict[str, object] = {}
-    rewards = load_rewards(metrics_path)
-    if metrics_path.is_file():
-        runs = [arg for spec in [f"{name}={metrics_path}", *also_plot] for arg in ("--run", spec)]
-        curves = out / "curves.png"
-        panels = ["--metrics", REWARD_KEY, "actor/entropy"]
-        if _run_viz(["curves", *runs, *panels, "--out", str(curves), "--title", "CPU demo: say <d> -> <d>"], env):
-            written["curves"] = str(curves)
-    if not rollout_dir.is_dir():
-        return written
-    heat = out / "heatmap"
-    dumps = token_dumps(rollout_dir)
-    if dumps:
-        pick = step if step is not None else heatmap_step(rewards, set(dumps))
-        if pick in dumps and _run_viz(
-            [
-                "tokens",
-                "--input",
-                str(dumps[pick]),
-                "--out",
-                str(heat),
-                "--color",
-                "advantage",
-                "--tokenizer",
-                tokenizer_dir,
-                "--max-prompts",
-                "4",
-            ],
-            env,
-        ):
-            written.update(heatmap=str(heat), heatmap_step=pick)
-        return written
-    text_dumps = {int(p.stem): p for p in rollout_dir.glob("*.jsonl") if p.stem.isdigit()}
-    if text_dumps:
-        pick = step if step is not None else heatmap_step(rewards, set(text_dumps))
-        # verl's own text dumps carry only the sequence score.
-        if pick in text_dumps and _run_viz(
-            [
-                "tokens",
-                "--input",
-                str(text_dumps[pick]),
-                "--out",
-                str(heat),
-                "--color",
-                "score",
-                "--tokenizer",
-                tokenizer_dir,
-                "--max-prompts",
-                "4",
-            ],
-            env,
-        ):
-            written.update(heatmap=str(heat), heatmap_step=pick)
-    return written
-
+__all__ = [
+    "CHAT_TEMPLATE",
+    "DATA_RECIPE",
+    "DATA_SOURCE",
+    "DEMO_SETTINGS",
+    "DEMO_VERSION",
+    "DIGITS",
+    "EOS_TOKEN",
+    "FILLER_WORDS",
+    "METHOD_SETTINGS",
+    "MODEL_RECIPE",
+    "NEWLINE",
+    "NUMBER_WORDS",
+    "PAD_TOKEN",
+    "REWARD_KEY",
+    "SPECIAL_TOKENS",
+    "UNK_TOKEN",
+    "WORDS",
+    "DemoAssets",
+    "build_demo_assets",
+    "build_model",
+    "build_parser",
+    "build_rows",
+    "build_tokenizer",
+    "compute_score",
+    "demo_overrides",
+    "file_logger_records",
+    "heatmap_step",
+    "latest_token_dump",
+    "load_rewards",
+    "main",
+    "make_plots",
+    "method_overrides",
+    "recipe_key",
+    "score_response",
+    "summarize",
+    "token_dumps",
+    "trainer_command",
+    "trainer_env",
+]
 
 # ----------------------------------------------------------------------------------------------------------------
 # command line

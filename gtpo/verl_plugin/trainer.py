@@ -154,9 +154,11 @@ class GTPOTrainerSync(PPOTrainerSync):
     def _log_rollout_data(self, batch: KVBatchMeta, timing_raw: dict, rollout_data_dir: str):
         """verl's text dump ``<step>.jsonl``, plus ``tokens_<step>.jsonl`` with per-token advantages and entropy.
 
-        Read by ``python -m gtpo.viz tokens``; a few groups per step, so it costs milliseconds.
+        Read by ``python -m gtpo.viz tokens``; a few groups per step, so it costs milliseconds. With ``tensorboard``
+        or ``wandb`` in ``trainer.logger``, the step's heatmap also goes to the tracker (:mod:`gtpo.viz.tracker`).
         """
-        from gtpo.viz.tokens import records_from_batch, write_token_dump
+        from gtpo.viz.dump_writer import records_from_batch, write_token_dump
+        from gtpo.viz.tracker import log_token_heatmap, wants_heatmap
 
         super()._log_rollout_data(batch, timing_raw, rollout_data_dir)
         with marked_timer("dump_token_records", timing_raw, color="green"):
@@ -170,6 +172,9 @@ class GTPOTrainerSync(PPOTrainerSync):
                 data, tokenizer=self.tokenizer, step=self.global_steps, keys=keys, max_groups=8
             )
             write_token_dump(records, os.path.join(rollout_data_dir, f"tokens_{self.global_steps}.jsonl"))
+        if wants_heatmap(self.logger):
+            with marked_timer("log_token_heatmap", timing_raw, color="green"):
+                log_token_heatmap(self.logger, records, self.global_steps, os.path.join(rollout_data_dir, "heatmaps"))
 
     def _val_metrics_update(
         self, data_sources, sample_uids, reward_extra_infos_dict, sample_turns, expected_acc_counts=None

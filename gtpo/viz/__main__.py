@@ -43,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="without 'acc', a response is correct when score > this (default 0)",
     )
     t.add_argument("--no-png", action="store_true", help="write only the HTML")
+    t.add_argument(
+        "--png-max-tokens",
+        type=_positive_int,
+        default=240,
+        help="longer responses are drawn in compact mode in the PNG: an overview and their most / least credited "
+        "spans (default 240)",
+    )
+    t.add_argument("--span-tokens", type=_positive_int, default=24, help="tokens per span in compact mode (default 24)")
 
     c = sub.add_parser("curves", help="training curves of one or more runs (PNG)")
     c.add_argument(
@@ -50,14 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         required=True,
         metavar="NAME=PATH",
-        help="a run's metrics JSONL (verl file logger or plain {step, key: value}); repeat to overlay",
+        help="a run's metrics JSONL (verl file logger or plain {step, key: value}); repeat to overlay runs, "
+        "repeat a NAME for seeds of one method (drawn as mean and min-max band)",
     )
     c.add_argument("--out", required=True, help="output PNG")
     c.add_argument(
         "--metrics",
         nargs="+",
         default=None,
-        help="metric keys or fnmatch patterns, one panel each (default: reward, entropy, length, val acc)",
+        help="metric keys or fnmatch patterns, one panel each (default: mean reward, policy entropy, response "
+        "length, validation Mean@N)",
     )
     c.add_argument("--smooth", type=float, default=0.0, help="EMA weight in [0, 1) for the drawn lines")
     c.add_argument("--title", default=None)
@@ -78,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                 vmax=args.vmax,
                 correct_threshold=args.correct_threshold,
                 png=not args.no_png,
+                png_max_tokens=args.png_max_tokens,
+                span_tokens=args.span_tokens,
             )
             print(f"{res['input']}: {res['n_prompts']} prompts, {res['n_responses']} responses")
             print(f"wrote {res['html']}" + (f" and {res['png']}" if res["png"] else ""))

@@ -5,15 +5,17 @@ Reads the JSONL written by verl's ``file`` logger (``verl/utils/tracking.py::Fil
 file is ``$VERL_FILE_LOGGER_PATH`` if set, else ``${VERL_FILE_LOGGER_ROOT:-.}/<project_name>/<experiment_name>.jsonl``
 (relative to the trainer's working directory). Plain JSONL lines ``{"step": <int>, "<key>": <value>, ...}`` work too.
 
-Default panels (a 2×2 grid, runs overlaid, one colour per run):
+Default panels (a 2×2 grid, runs overlaid, one colour per run), titled in words by :data:`METRIC_TITLES` with the
+metric key under each title:
 
-* reward: ``critic/score/mean``
-* entropy: ``actor/entropy``
-* response length: ``response_length/mean``
-* validation accuracy: every ``val-core/*/acc/mean@*`` key (one line per data source and run)
+* "mean reward": ``critic/score/mean``
+* "policy entropy": ``actor/entropy``
+* "response length": ``response_length/mean``
+* "validation Mean@N": every ``val-core/*/acc/mean@*`` key (one line per data source and run)
 
-``--metrics`` replaces them with any keys or ``fnmatch`` patterns. A panel whose metric no run logged says so
-instead of failing.
+``--metrics`` replaces them with any keys or ``fnmatch`` patterns (matched case-insensitively). A panel whose
+metric no run logged says so instead of failing. Runs given under the same name are seeds of one method: they are
+drawn as their mean with a min–max band, on the steps every seed logged.
 
 Deliberate choices
 ------------------
@@ -31,20 +33,38 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from gtpo.verl_plugin.file_log import read_file_log
 
-__all__ = ["DEFAULT_PANELS", "load_metrics", "parse_run_spec", "plot_curves"]
+__all__ = ["DEFAULT_PANELS", "METRIC_TITLES", "load_metrics", "metric_title", "parse_run_spec", "plot_curves"]
 
-# (panel title, key or fnmatch pattern)
-DEFAULT_PANELS: tuple[tuple[str, str], ...] = (
-    ("reward (critic/score/mean)", "critic/score/mean"),
-    ("entropy (actor/entropy)", "actor/entropy"),
-    ("response length (response_length/mean)", "response_length/mean"),
-    ("validation accuracy (val-core/*/acc/mean@*)", "val-core/*/acc/mean@*"),
+# Default panels: metric keys or fnmatch patterns.
+DEFAULT_PANELS: tuple[str, ...] = (
+    "critic/score/mean",
+    "actor/entropy",
+    "response_length/mean",
+    "val-core/*/acc/mean@*",
 )
+
+# Human titles: (regular expression over the whole key, case-insensitive; title, formatted with the named groups).
+# A new metric name is one line here. ``source`` (the data source) labels the lines of a multi-source panel.
+METRIC_TITLES: tuple[tuple[str, str], ...] = (
+    (r"critic/score/mean", "mean reward"),
+    (r"critic/rewards/mean", "mean reward (after penalties)"),
+    (r"actor/entropy", "policy entropy"),
+    (r"response_length/mean", "response length"),
+    (r"actor/pg_loss", "policy loss"),
+    (r"actor/grad_norm", "gradient norm"),
+    (r"actor/ppo_kl", "KL to the old policy"),
+    (r"val-(?:core|aux)/(?P<source>[^/]+)/(?:acc|reward)/mean@(?P<n>\d+)", "validation Mean@{n}"),
+    (r"val-(?:core|aux)/(?P<source>[^/]+)/(?:acc|reward)/pass@(?P<n>\d+)(?:/mean)?", "validation Pass@{n}"),
+    (r"val-(?:core|aux)/(?P<source>[^/]+)/(?:acc|reward)/best@(?P<n>\d+)/mean", "validation best@{n} (verl bootstrap)"),
+    (r"val-(?:core|aux)/(?P<source>[^/]+)/(?:acc|reward)/maj@(?P<n>\d+)/mean", "validation maj@{n}"),
+)
+_TITLE_RES = tuple((re.compile(rx, re.IGNORECASE), title) for rx, title in METRIC_TITLES)
 
 Series = tuple[list[int], list[float]]
 _MIN_POINTS_TO_SMOOTH = 20
@@ -96,8 +116,31 @@ def _ema(values: Sequence[float], weight: float) -> list[float]:
 
 def _match(keys: Sequence[str], pattern: str) -> list[str]:
     if any(ch in pattern for ch in "*?["):
-        return sorted(k for k in keys if fnmatch.fnmatchcase(k, pattern))
+        return sorted(k for k in keys if fnmatch.fnmatchcase(k.lower(), pattern.lower()))
     return [pattern] if pattern in keys else []
+
+
+def metric_title(key: str) -> tuple[str, str | None]:
+    """``(human title, data source)`` of a metric key by :data:`METRIC_TITLES`; the key itself when none fits."""
+    for rx, title in _TITLE_RES:
+        m = rx.fullmatch(key)
+        if m:
+            groups = m.groupdict()
+            return title.format(**groups), groups.get("source")
+    return key, None
+
+
+def _panel_title(pattern: str, keys: Sequence[str]) -> str:
+    titles = list(dict.fromkeys(metric_title(k)[0] for k in keys)) or [metric_title(pattern)[0]]
+    return " / ".join(titles)
+
+
+def _seed_stats(series: list[Series]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Mean, min and max over seeds on the steps every seed logged."""
+    common = sorted(set.intersection(*(set(steps) for steps, _ in series)))
+    table = [dict(zip(steps, values, strict=True)) for steps, values in series]
+    rows = [[t[s] for t in table] for s in common]
+    return common, [sum(r) / len(r) for r in rows], [min(r) for r in rows], [max(r) for r in rows]
 
 
 def plot_curves(
@@ -109,10 +152,11 @@ def plot_curves(
     title: str | None = None,
     dpi: int = 120,
 ) -> dict[str, dict[str, Series]]:
-    """Plot runs overlaid into one PNG grid (two columns).
+    """Plot runs overlaid into one PNG grid.
 
     Args:
-        runs: ``[(name, metrics.jsonl), ...]`` or ``{name: path}``; names must be unique.
+        runs: ``[(name, metrics.jsonl), ...]`` or ``{name: path}``. Runs sharing a name are seeds of one method,
+            drawn as their mean with a min–max band.
         out_path: PNG path (parent folders are created).
         metrics: keys or fnmatch patterns, one panel each; default :data:`DEFAULT_PANELS`.
         smooth: EMA weight in ``[0, 1)`` for the drawn line (0 = raw).
@@ -120,44 +164,58 @@ def plot_curves(
         dpi: PNG resolution.
 
     Returns:
-        ``{run name: {metric key: (steps, values)}}`` for exactly the series drawn (raw values).
+        ``{run name: {metric key: (steps, values)}}`` for exactly the series drawn: the raw logged values of a
+        single run, the mean over seeds (on the steps all of them logged) of a group.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     pairs = list(runs.items()) if isinstance(runs, dict) else [tuple(r) for r in runs]
     if not pairs:
         raise ValueError("no runs given")
-    names = [n for n, _ in pairs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"run names must be unique, got {names}")
     if not 0.0 <= smooth < 1.0:
         raise ValueError(f"smooth={smooth}: must be in [0, 1)")
-    panels = list(DEFAULT_PANELS) if metrics is None else [(m, m) for m in metrics]
+    panels = list(DEFAULT_PANELS) if metrics is None else list(metrics)
     if not panels:
         raise ValueError("metrics: empty list")
-    logs = {name: load_metrics(path) for name, path in pairs}
+    paths = [Path(p) for _, p in pairs]
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"the same metrics file is given twice: {[str(p) for p in paths]}")
+    seeds: dict[str, list[dict[str, Series]]] = {}
+    for name, path in pairs:
+        seeds.setdefault(name, []).append(load_metrics(path))
 
-    ncols = 2 if len(panels) > 1 else 1
+    ncols = 2 if len(panels) in (2, 4) else min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
-    fig = Figure(figsize=(6.0 * ncols, 3.6 * nrows), dpi=dpi, layout="constrained")
+    fig = Figure(figsize=(5.2 * ncols, 3.5 * nrows), dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    colours = [f"C{i % 10}" for i in range(len(pairs))]
+    colours = {name: f"C{i % 10}" for i, name in enumerate(seeds)}
     plotted: dict[str, dict[str, Series]] = {}
     styles = ["-", "--", ":", "-."]
-    for ax, (panel_title, pattern) in zip(axes, panels, strict=False):
-        ax.set_title(panel_title, fontsize=10)
+    for ax, pattern in zip(axes, panels, strict=False):
         # Colour = run, line style = metric key (same key, same style in every run).
-        panel_keys = sorted(_match_all(logs, pattern))
+        panel_keys = sorted({k for logs in seeds.values() for log in logs for k in _match(list(log), pattern)})
+        ax.set_title(_panel_title(pattern, panel_keys), fontsize=11)
         drawn = 0
-        for (name, _), colour in zip(pairs, colours, strict=True):
-            for key in _match(list(logs[name]), pattern):
-                steps, values = logs[name][key]
-                if not steps:
+        for name, logs in seeds.items():
+            for key in panel_keys:
+                have = [log[key] for log in logs if key in log and log[key][0]]
+                if not have:
                     continue
-                label = name if len(panel_keys) == 1 else f"{name}: {key}"
-                style = {"color": colour, "linestyle": styles[panel_keys.index(key) % len(styles)]}
+                source = metric_title(key)[1]
+                label = name if len(panel_keys) == 1 else f"{name} · {source or key}"
+                style = {"color": colours[name], "linestyle": styles[panel_keys.index(key) % len(styles)]}
+                if len(logs) > 1:
+                    steps, values, lo, hi = _seed_stats(have)
+                    if not steps:
+                        continue
+                    label += f" (mean of {len(have)} seeds, band min–max)"
+                    band = (_ema(lo, smooth), _ema(hi, smooth)) if smooth > 0 else (lo, hi)
+                    ax.fill_between(steps, *band, color=colours[name], alpha=0.2, linewidth=0)
+                else:
+                    steps, values = have[0]
                 # Sparse series (validation every k steps) are drawn raw: an EMA over a handful of points lags.
                 if smooth > 0 and len(steps) > _MIN_POINTS_TO_SMOOTH:
                     ax.plot(steps, values, alpha=0.25, linewidth=0.8, **style)
@@ -183,6 +241,8 @@ def plot_curves(
             ax.set_yticks([])
         else:
             ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_ylabel(pattern, fontsize=7, color="#666")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7, loc="best")
     for ax in axes[len(panels) :]:
@@ -193,8 +253,3 @@ def plot_curves(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, format="png", dpi=dpi, facecolor="white")
     return plotted
-
-
-def _match_all(logs: dict[str, dict[str, Series]], pattern: str) -> set[str]:
-    """Keys matching ``pattern`` in any run: a panel with one key labels lines by run name only."""
-    return {k for log in logs.values() for k in _match(list(log), pattern)}

@@ -1,0 +1,126 @@
+"""The CPU demo's trainer command: its Hydra overrides (shared settings, per-method settings) and environment."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from gtpo.cpu.demo_task import DemoAssets
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Trainer settings of the demo, appended after backend=cpu_tiny and the method preset so that every method runs the
+# same task with the same budget: the presets' DAPO dynamic sampling (it would also bias the logged training reward
+# towards mixed groups), clip-higher, KL loss and loss aggregation are pinned to one setting.
+DEMO_SETTINGS: tuple[str, ...] = (
+    "data.train_batch_size=8",
+    "data.max_prompt_length=8",
+    "data.max_response_length=4",
+    "data.filter_overlong_prompts=False",
+    "data.truncation=error",
+    "data.dataloader_num_workers=0",
+    "actor_rollout_ref.rollout.n=16",
+    "actor_rollout_ref.rollout.temperature=1.0",
+    "actor_rollout_ref.rollout.top_p=1.0",
+    "actor_rollout_ref.rollout.top_k=-1",
+    "actor_rollout_ref.rollout.response_length=4",
+    "actor_rollout_ref.rollout.prompt_length=8",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=128",
+    "actor_rollout_ref.actor.optim.lr=1e-3",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+    "actor_rollout_ref.actor.ppo_epochs=1",
+    "actor_rollout_ref.actor.use_kl_loss=False",
+    "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+    "actor_rollout_ref.actor.clip_ratio_low=0.2",
+    "actor_rollout_ref.actor.clip_ratio_high=0.2",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=128",
+    "algorithm.use_kl_in_reward=False",
+    "algorithm.filter_groups.enable=False",
+    "reward.custom_reward_function.path=pkg://gtpo.cpu.demo",
+    "reward.custom_reward_function.name=compute_score",
+    "trainer.total_epochs=1000",
+    "trainer.test_freq=-1",
+    "trainer.save_freq=-1",
+    "trainer.val_before_train=False",
+    "trainer.logger=[console,file]",
+    "trainer.project_name=gtpo_cpu_demo",
+)
+
+# Per-method demo settings, appended after DEMO_SETTINGS. GTPO whitens the shaped token rewards jointly: under the
+# paper's split normalisation (docs/ALGORITHMS.md §3.7) this task cannot be learned at all. The only token that decides
+# the reward is the first one, and all responses of a group share its context, so its entropy is equal across the
+# group, its shaped reward equals the set mean and its advantage is exactly 0 (claim A1-T2); the remaining
+# advantages carry no sign of correctness. `-- algorithm.gtpo.norm_mode=split` shows it (the reward does not rise).
+METHOD_SETTINGS: dict[str, tuple[str, ...]] = {
+    "gtpo": ("++algorithm.gtpo.norm_mode=joint",),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# trainer command
+
+
+def method_overrides(method: str) -> list[str]:
+    """``method=<m>`` when ``configs/method/<m>.yaml`` exists, else ``algorithm.adv_estimator=<m>``."""
+    if not method or not all(c.isalnum() or c in "_-." for c in method):
+        raise ValueError(f"method={method!r}: expected a preset or estimator name such as gtpo or grpo")
+    if (REPO_ROOT / "configs" / "method" / f"{method}.yaml").is_file():
+        return [f"method={method}"]
+    return [f"algorithm.adv_estimator={method}"]
+
+
+def demo_overrides(
+    assets: DemoAssets,
+    steps: int,
+    seed: int,
+    rollout_dir: str | os.PathLike | None = None,
+    experiment: str = "demo",
+    method: str | None = None,
+) -> list[str]:
+    """Hydra overrides of the demo run (without ``backend=`` / ``method=``); ``method`` adds its METHOD_SETTINGS."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r}: must be a positive int")
+    out = [
+        f"data.train_files={assets.train_parquet}",
+        f"data.val_files={assets.val_parquet}",
+        f"data.seed={seed}",
+        f"actor_rollout_ref.rollout.seed={seed}",
+        f"actor_rollout_ref.model.path={assets.model_dir}",
+        f"actor_rollout_ref.model.tokenizer_path={assets.tokenizer_dir}",
+        *DEMO_SETTINGS,
+        *METHOD_SETTINGS.get(method or "", ()),
+        f"trainer.total_training_steps={steps}",
+        f"trainer.experiment_name={experiment}",
+    ]
+    if rollout_dir is not None:
+        out.append(f"trainer.rollout_data_dir={rollout_dir}")
+    return out
+
+
+def trainer_command(method: str, overrides: list[str], metrics_path: str | os.PathLike, extra: list[str]) -> list[str]:
+    """Full command line of the trainer subprocess (run it from the repository root)."""
+    return [
+        sys.executable,
+        "-m",
+        "recipe.gtpo.main_gtpo",
+        "backend=cpu_tiny",
+        *method_overrides(method),
+        *overrides,
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics_path}",
+        *extra,
+    ]
+
+
+def trainer_env() -> dict[str, str]:
+    """This process's environment plus the CPU backend's variables."""
+    from gtpo.cpu import env as cpu_env
+
+    env = dict(os.environ)
+    env.update(cpu_env())
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("WANDB_MODE", "disabled")
+    return env
