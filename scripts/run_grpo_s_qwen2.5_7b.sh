@@ -9,6 +9,7 @@
 #   bash scripts/run_grpo_s_qwen2.5_7b.sh [overrides]                     # on this node / Slurm driver
 #   RAY_ADDRESS=http://<head>:8265 bash scripts/run_grpo_s_qwen2.5_7b.sh   # ray job submit to a cluster
 #   DRY_RUN=1 bash scripts/run_grpo_s_qwen2.5_7b.sh                       # resolve + validate, no Ray
+#   PREFLIGHT=1 bash scripts/run_grpo_s_qwen2.5_7b.sh                     # on the cluster, before training (seconds)
 set -xeuo pipefail
 
 # Algorithm
@@ -23,11 +24,11 @@ train_prompt_mini_bsz=32
 max_prompt_length=$((1024 * 2))
 max_response_length=$((1024 * 20))
 
-# Infrastructure
+# Infrastructure (on a cluster RAY_DATA_HOME, or each path, must be shared storage: scripts/common.sh)
 NNODES=${NNODES:-1}
 NGPUS_PER_NODE=${NGPUS_PER_NODE:-8}
 RAY_DATA_HOME=${RAY_DATA_HOME:-"${HOME}/verl"}
-MODEL_PATH=${MODEL_PATH:-Qwen/Qwen2.5-7B}
+MODEL_PATH=${MODEL_PATH:-"${RAY_DATA_HOME}/models/Qwen2.5-7B"}
 TRAIN_FILE=${TRAIN_FILE:-"${RAY_DATA_HOME}/data/dapo-math-17k.parquet"}
 TEST_FILE=${TEST_FILE:-"${RAY_DATA_HOME}/data/aime-2024.parquet"}
 PROJECT_NAME=${PROJECT_NAME:-gtpo-reproduction}
