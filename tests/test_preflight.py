@@ -82,7 +82,8 @@ class FakeCluster:
     def nodes(self):
         return [{"node": s["node"], "address": s["address"], "gpus": s["gpus"]} for s in self.specs]
 
-    def run_on_each(self, fn, token_path, interfaces):
+    def run_on_each(self, nodes, fn, token_path, interfaces):
+        assert [n["node"] for n in nodes] == [s["node"] for s in self.specs]
         reports = []
         for k, spec in enumerate(self.specs, start=1):
             path = token_path
@@ -243,6 +244,16 @@ def test_cluster_size_and_addresses(compose, layout, cluster, overrides, expect)
 def test_two_node_cluster_passes(compose, layout):
     rc, lines = run(compose(layout, "trainer.nnodes=2"), FakeCluster(n=2))
     assert rc == 0, "\n".join(lines)
+
+
+def test_gpu_less_head_has_no_driver_to_check(compose, layout):
+    # The RayJob's head: no GPU, no nvidia-smi; the two GPU workers are checked.
+    cluster = FakeCluster(n=3, node1={"gpus": 0, "driver": None})
+    rc, lines = run(compose(layout, "trainer.nnodes=2"), cluster)
+    assert rc == 0, "\n".join(lines)
+    cluster = FakeCluster(n=3, node1={"gpus": 0, "driver": None}, node3={"driver": "570.86.15"})
+    rc, lines = run(compose(layout, "trainer.nnodes=2"), cluster)
+    assert rc == 1 and "node gpu-a03: NVIDIA driver 570.86.15" in _fail_line(lines, "driver")
 
 
 def test_checkpoint_dir_not_shared_fails(compose, layout, tmp_path):

@@ -105,7 +105,7 @@ class LocalCluster:
         report = node_report(None, [])
         return [{"node": report["node"], "address": None, "gpus": report["gpus"]}]
 
-    def run_on_each(self, fn: Callable[..., dict], *args: Any) -> list[dict]:
+    def run_on_each(self, nodes: list[dict[str, Any]], fn: Callable[..., dict], *args: Any) -> list[dict]:
         return [fn(*args)]
 
 
@@ -132,13 +132,13 @@ class RayCluster:
             if n.get("Alive")
         ]
 
-    def run_on_each(self, fn: Callable[..., dict], *args: Any) -> list[dict]:
+    def run_on_each(self, nodes: list[dict[str, Any]], fn: Callable[..., dict], *args: Any) -> list[dict]:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         task = self._ray.remote(num_cpus=0)(fn)
         refs = [
             task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["id"], soft=False)).remote(*args)
-            for n in self.nodes()
+            for n in nodes
         ]
         try:
             return self._ray.get(refs, timeout=NODE_TIMEOUT_S)
@@ -273,8 +273,10 @@ def _check_shared(reports: list[dict[str, Any]], token: str, path: Path) -> str:
 
 
 def _check_driver(reports: list[dict[str, Any]], minimum: int) -> str:
+    """Every node the cluster lists with GPUs (a GPU-less head, as in the RayJob, has no driver to check)."""
     if minimum <= 0:
         return "MIN_DRIVER_VERSION=0: not checked"
+    reports = [r for r in reports if r["cluster_gpus"] > 0]
     for report in reports:
         driver = report["driver"] or ""
         major = driver.split(".", 1)[0]
@@ -322,7 +324,7 @@ def run_preflight(cfg: DictConfig, cluster: Any, env: dict[str, str] | None = No
     Args:
         cfg: the composed (unresolved is fine) trainer config of the launch script.
         cluster: :class:`RayCluster`, :class:`LocalCluster`, or anything with ``remote``, ``nodes()`` and
-            ``run_on_each(fn, *args)``.
+            ``run_on_each(nodes, fn, *args)`` (``fn(*args)`` on each of ``nodes``, results in that order).
         env: the environment to judge (default ``os.environ``).
         out: stream for the report (default stdout).
     """
@@ -375,7 +377,9 @@ def run_preflight(cfg: DictConfig, cluster: Any, env: dict[str, str] | None = No
         nodes = cluster.nodes()
         check("ray cluster", lambda: _check_cluster(resolved, nodes, cluster.remote))
         interfaces = _wanted_interfaces(env)
-        reports = cluster.run_on_each(node_report, str(token_file), interfaces)
+        reports = cluster.run_on_each(nodes, node_report, str(token_file), interfaces)
+        for node, report in zip(nodes, reports, strict=True):
+            report["cluster_gpus"] = node["gpus"]
         check("checkpoint shared", lambda: _check_shared(reports, token, token_file))
         minimum = int(env.get("MIN_DRIVER_VERSION", MIN_DRIVER_VERSION))
         check("driver", lambda: _check_driver(reports, minimum))
