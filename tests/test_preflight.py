@@ -295,6 +295,21 @@ def test_node_report_reads_token_and_loopback(tmp_path):
     assert node_report(str(tmp_path / "missing"), [])["token"].startswith("<unreadable")
 
 
+@pytest.mark.e2e
+def test_ray_cluster_reports_from_every_node(ray_session, ray_cluster, tmp_path):
+    """The real Ray side: alive nodes listed, node_report pinned to each of them, the token read back."""
+    from gtpo.verl_plugin.preflight import RayCluster, node_report
+
+    cluster = RayCluster(ray_cluster.address)
+    nodes = cluster.nodes()
+    assert nodes and all(n["id"] and n["address"] for n in nodes)
+    token = tmp_path / "token"
+    token.write_text("xyz")
+    reports = cluster.run_on_each(nodes, node_report, str(token), ["lo"])
+    assert [r["token"] for r in reports] == ["xyz"] * len(nodes)
+    assert all(r["interfaces"] == {"lo": "127.0.0.1"} for r in reports)
+
+
 # ------------------------------------------------------------------ through the launch script (PREFLIGHT=1)
 
 

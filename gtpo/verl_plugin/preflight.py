@@ -117,7 +117,8 @@ class RayCluster:
     def __init__(self, address: str):
         import ray
 
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        if not ray.is_initialized():
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
         self._ray = ray
 
     def nodes(self) -> list[dict[str, Any]]:
