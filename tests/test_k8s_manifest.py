@@ -115,9 +115,9 @@ def test_recipe_fields(job):
     spec = job["spec"]
     assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] > 0
 
-    # The entrypoint calls one launch script of this repository, at its path inside the image.
-    match = re.fullmatch(r"bash /workspace/gtpo/(scripts/run_\w+_qwen2\.5_\w+\.sh)( .*)?", spec["entrypoint"])
-    assert match and (REPO / match.group(1)).is_file(), spec["entrypoint"]
+    # The entrypoint calls launch scripts of this repository, at their path inside the image.
+    scripts = re.findall(r"/workspace/gtpo/(scripts/run_\w+_qwen2\.5_\w+\.sh)", spec["entrypoint"])
+    assert scripts and all((REPO / s).is_file() for s in scripts), spec["entrypoint"]
 
     env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
     assert PLUGIN in env["VERL_USE_EXTERNAL_MODULES"].split(",")
@@ -153,6 +153,27 @@ def test_recipe_fields(job):
         # W&B key from a Secret, never a literal.
         (wandb,) = [e for e in container(group)["env"] if e["name"] == "WANDB_API_KEY"]
         assert "value" not in wandb and wandb["valueFrom"]["secretKeyRef"]["name"]
+
+
+@pytest.mark.parametrize("preflight_rc", [0, 1])
+def test_entrypoint_runs_preflight_then_training(job, tmp_path, preflight_rc):
+    """The entrypoint under bash, with the image's launch script replaced by one that records its calls."""
+    import subprocess
+
+    fake = tmp_path / "scripts" / "run_gtpo_qwen2.5_32b.sh"
+    fake.parent.mkdir()
+    log = tmp_path / "calls"
+    fake.write_text(
+        f'echo "PREFLIGHT=$PREFLIGHT $*" >> {log}\nif [[ "$PREFLIGHT" == 1 ]]; then exit {preflight_rc}; fi\n'
+    )
+    entrypoint = job["spec"]["entrypoint"].replace("/workspace/gtpo/", f"{tmp_path}/")
+    proc = subprocess.run(["bash", "-c", entrypoint], capture_output=True, text=True)
+    calls = log.read_text().splitlines()
+    preflight, training = "PREFLIGHT=1 trainer.total_epochs=1", "PREFLIGHT=0 trainer.total_epochs=1"
+    if preflight_rc == 0:
+        assert proc.returncode == 0 and calls == [preflight, training]
+    else:
+        assert proc.returncode != 0 and calls == [preflight]
 
 
 def test_multi_node_network_and_cpus(job):
