@@ -161,7 +161,8 @@ gtpo_check_paths() {
                     "same place (MODEL_PATH is a local folder, not a hub id: huggingface-cli download --local-dir)" >&2
                 return 1
             fi
-            if [[ "${ALLOW_HOME_PATHS}" != 1 && -n "${HOME:-}" && ("${item}" == "${HOME}" || "${item}" == "${HOME}"/*) ]]; then
+            if [[ "${ALLOW_HOME_PATHS}" != 1 && -n "${HOME:-}" ]] \
+                && [[ "${item}" == "${HOME}" || "${item}" == "${HOME}"/* ]]; then
                 echo "${var}=${item} is under \$HOME=${HOME}: on a cluster (${reason}) set RAY_DATA_HOME=<shared" \
                     "folder mounted at the same path on every node> or ${var} itself (ALLOW_HOME_PATHS=1 if \$HOME is" \
                     "such a folder)" >&2
