@@ -3,9 +3,10 @@
     .venv/bin/pytest -q tests/test_slurm.py
 
 The fakes record their arguments (one tab-separated line each, in call order) and behave just enough like the real
-tools: `srun` strips its options and runs the command (once per node for a multi-node step without --nodelist,
-with SLURMD_NODENAME set) and emulates pyxis (a --container-image step creates the named container on its node
-through `enroot create` unless it exists; a --container-name step without an image fails unless it exists),
+tools: `srun` records the SLURM_GPUS_PER_NODE it inherited, strips its options and runs the command (once per node
+for a multi-node step without --nodelist, with SLURMD_NODENAME set) and emulates pyxis (a --container-image step
+creates the named container on its node through `enroot create` unless it exists; a --container-name step without
+an image fails unless it exists),
 `ray start --block` blocks until killed, `ray status` lists as many active nodes as `ray start` calls were seen
 (capped by FAKE_MAX_NODES), `scontrol show hostnames` prints FAKE_NODES, `nvidia-smi` prints FAKE_DRIVER (or
 FAKE_DRIVER_<node> for one node), `hostname --ip-address` prints FAKE_HOST_IPS ("{k}" = the node's number) or
@@ -48,7 +49,7 @@ node_index() {
 
 FAKES = {
     "srun": r"""
-        printf 'srun\t%s\n' "$(printf '%q ' "$@")" >> "$FAKE_LOG"
+        printf 'srun\t%s\t%s\n' "${SLURM_GPUS_PER_NODE-unset}" "$(printf '%q ' "$@")" >> "$FAKE_LOG"
         node="" nodes=1 image="" name=""
         while [[ $# -gt 0 && "$1" == --* ]]; do
             case "$1" in
@@ -224,6 +225,7 @@ def sbatch_env(tmp_path: Path, **env_extra: str) -> dict[str, str]:
         SLURM_NNODES=str(len(NODES)),
         SLURM_CPUS_PER_TASK="64",
         SLURM_GPUS_ON_NODE="8",
+        SLURM_GPUS_PER_NODE="8",
         SLURM_SUBMIT_DIR=str(REPO),
         LAUNCH_SCRIPT=str(launch),
         RAY_DATA_HOME=str(data_home),
@@ -339,6 +341,9 @@ def test_every_step_gets_cpus_and_only_ray_steps_get_gpus(tmp_path):
     ray = [s for s in steps if "start" in s[len(srun_opts(s)) :][:2]]
     helpers = [s for s in steps if "--overlap" in s]
     assert len(ray) == len(NODES) and helpers
+    # The job's GPU request (SLURM_GPUS_PER_NODE, read by srun) reaches Ray steps only.
+    gpu_env = {tuple(argv(r)): r[1] for r in records if r[0] == "srun"}
+    assert {gpu_env[tuple(c)] for c in ray} == {"8"} and {gpu_env[tuple(c)] for c in helpers} == {"unset"}
     for call in ray:
         opts = srun_opts(call)
         # The step gets the CPUs Ray advertises, and keeps the job's GPUs.
