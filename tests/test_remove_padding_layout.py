@@ -24,6 +24,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.test_forking import _actor_config
+
 PAD_H = 1e4  # entropy on non-token positions: selecting one would dominate the threshold and the loss
 PAD_LOGP = -7.0  # log-prob on non-token positions: counting one would move the loss
 
@@ -106,22 +108,6 @@ def _padded_leaf_to_packed(grad: torch.Tensor) -> torch.Tensor:
     return torch.cat([grad[i, :n] for i, n in enumerate(lens)])
 
 
-def _actor_config(loss_mode: str, agg: str):
-    from verl.workers.config import FSDPActorConfig
-
-    return FSDPActorConfig(
-        strategy="fsdp",
-        rollout_n=3,
-        ppo_micro_batch_size_per_gpu=3,
-        ppo_mini_batch_size=1,
-        loss_agg_mode=agg,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        calculate_entropy=True,
-        policy_loss={"loss_mode": loss_mode},
-    )
-
-
 def _run(loss_fn, build, data):
     out, leaves = build(data)
     loss, metrics = loss_fn(out, data)
@@ -155,7 +141,7 @@ def _response_positions():
 def test_forking_loss_is_layout_independent_under_remove_padding():
     from gtpo.verl_plugin.forking import ForkingParams, ForkingPPOLoss
 
-    fn = ForkingPPOLoss(_actor_config("vanilla", "token-mean"), ForkingParams(enable=True, rho=0.3))
+    fn = ForkingPPOLoss(_actor_config("token-mean"), ForkingParams(enable=True, rho=0.3))
     data = _data()
     metrics_a, metrics_b, grad = _check_same(_run(fn, _packed_outputs, data), _run(fn, _padded_outputs, _data()))
     # 9 response tokens, rho 0.3 -> k = ceil(2.7) = 3: entropies 0.95 (A=-2), 0.9 (A=2), 0.8 (A=1.5).
@@ -174,7 +160,7 @@ def test_grpo_s_loss_is_layout_independent_under_remove_padding():
 
     import gtpo.verl_plugin.register  # noqa: F401  (registers the grpo_s policy loss)
 
-    config = _actor_config("grpo_s", "seq-mean-token-mean")
+    config = _actor_config("seq-mean-token-mean", loss_mode="grpo_s")
 
     def fn(out, data):
         return ppo_loss(config, out, data)
