@@ -7,24 +7,38 @@
 #
 #   DRY_RUN=1           resolve the full Hydra config, run verl's validation and the batch-arithmetic checks,
 #                       print it; no Ray, no GPU (gtpo/verl_plugin/dry_run.py)
+#   PREFLIGHT=1         on the cluster, before training: the dry run's checks plus data, model, checkpoint
+#                       folder, driver, interfaces, trackers and Ray cluster size, one line each, in seconds
+#                       (gtpo/verl_plugin/preflight.py); in job mode it is submitted as the job instead of training
 #   SUBMIT_MODE=local   `python -m recipe.gtpo.main_gtpo ...` here: a fresh local Ray instance, or the cluster
 #                       that `ray start` made on this node / that RAY_ADDRESS=<ip>:6379 names (Slurm, KubeRay)
 #   SUBMIT_MODE=job     `ray job submit --address "$RAY_ADDRESS" --runtime-env <generated> -- python -m ...`
 #   SUBMIT_MODE=auto    (default) `job` when RAY_ADDRESS is a dashboard URL (http:// or https://) and this shell
 #                       is not already a Ray job's driver; `local` otherwise
 #
+# Paths on a cluster (SLURM_JOB_ID set, NNODES > 1, or job mode): TRAIN_FILE, TEST_FILE, MODEL_PATH and CKPTS_DIR
+# must be absolute and outside $HOME (pyxis does not mount it, Apptainer's is quota-limited, and in job mode it is
+# the submitting machine's): set RAY_DATA_HOME=<shared folder> or the paths themselves (ALLOW_HOME_PATHS=1 when
+# $HOME really is shared storage mounted at the same path everywhere). Job mode prints the paths the cluster will
+# read. MODEL_PATH is a local folder (download once: `huggingface-cli download Qwen/Qwen2.5-7B --local-dir ...`) and
+# HF_HUB_OFFLINE=1 keeps every rank off the network.
+#
 # Processes on a running cluster take their environment from the Ray runtime env, not from the submitting shell,
 # so job submission writes a private copy of RUNTIME_ENV that adds VERL_USE_EXTERNAL_MODULES (the recipe's plugin)
-# and copies the variables named in ENV_PASSTHROUGH and those starting with ENV_PASSTHROUGH_PREFIXES (W&B and
-# Hugging Face credentials, NCCL_*, VLLM_*, GLOO_*) from this shell. Their values never appear on a command line.
+# and the variables ENV_PASSTHROUGH names, and nothing else: no prefix copying, since a login node's NCCL_*,
+# GLOO_* or VLLM_* settings are wrong on GPU nodes with other NICs. Tokens (WANDB_API_KEY, HF_TOKEN) stay on the
+# cluster side, in the environment `ray start` ran with (sbatch exports, a Kubernetes Secret): a runtime env is
+# stored with the job and returned by the dashboard's job API to anyone who can reach it.
 #
 # Variables read here (besides the ones each launch script defines):
-#   PYTHON                  interpreter for local and dry runs (python3)
+#   PYTHON                  interpreter for local, dry and preflight runs (python3)
 #   ENTRYPOINT              module started by every path (recipe.gtpo.main_gtpo)
 #   SUBMIT_MODE             auto | local | job (auto)
 #   JOB_NO_WAIT             1: `ray job submit --no-wait`, then follow with `ray job logs <id> --follow` (0)
-#   ENV_PASSTHROUGH         names copied into the job's runtime env when set in this shell
-#   ENV_PASSTHROUGH_PREFIXES  name prefixes copied likewise
+#   ENV_PASSTHROUGH         names copied into the job's runtime env when set in this shell (W&B project settings,
+#                           HF_ENDPOINT, HF_HUB_OFFLINE; no secrets)
+#   ALLOW_HOME_PATHS        1: accept paths under $HOME on a cluster (0)
+#   HF_HUB_OFFLINE          exported (1)
 
 GTPO_REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 GTPO_PLUGIN_MODULE=gtpo.verl_plugin.register
@@ -41,8 +55,12 @@ ENTRYPOINT=${ENTRYPOINT:-recipe.gtpo.main_gtpo}
 SUBMIT_MODE=${SUBMIT_MODE:-auto}
 JOB_NO_WAIT=${JOB_NO_WAIT:-0}
 DRY_RUN=${DRY_RUN:-0}
-ENV_PASSTHROUGH=${ENV_PASSTHROUGH:-"WANDB_API_KEY WANDB_ENTITY WANDB_MODE WANDB_BASE_URL HF_TOKEN HF_ENDPOINT HF_HUB_OFFLINE"}
-ENV_PASSTHROUGH_PREFIXES=${ENV_PASSTHROUGH_PREFIXES:-"NCCL_ VLLM_ GLOO_"}
+PREFLIGHT=${PREFLIGHT:-0}
+ALLOW_HOME_PATHS=${ALLOW_HOME_PATHS:-0}
+ENV_PASSTHROUGH=${ENV_PASSTHROUGH:-"WANDB_ENTITY WANDB_PROJECT WANDB_MODE WANDB_BASE_URL HF_ENDPOINT HF_HUB_OFFLINE"}
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+# As verl/trainer/runtime_env.yaml: let NCCL free buffers without record_stream bookkeeping (every launch path).
+export TORCH_NCCL_AVOID_RECORD_STREAMS=${TORCH_NCCL_AVOID_RECORD_STREAMS:-1}
 
 # Comma-joined union of module lists, order kept, blanks and duplicates dropped.
 gtpo_merge_modules() {
@@ -78,25 +96,33 @@ gtpo_submit_mode() {
     esac
 }
 
-# Write the job's runtime env: RUNTIME_ENV plus the plugin module and the pass-through variables of this shell.
+# Write the job's runtime env: RUNTIME_ENV plus the plugin module and the variables ENV_PASSTHROUGH names.
 gtpo_write_runtime_env() {
     local out=$1
-    "${PYTHON}" - "${RUNTIME_ENV}" "${out}" "${GTPO_PLUGIN_MODULE}" "${ENV_PASSTHROUGH}" "${ENV_PASSTHROUGH_PREFIXES}" <<'PY'
+    if [[ -n "${ENV_PASSTHROUGH_PREFIXES:-}" ]]; then
+        echo "ENV_PASSTHROUGH_PREFIXES=${ENV_PASSTHROUGH_PREFIXES}: prefix copying is gone; name each variable in" \
+            "ENV_PASSTHROUGH (cluster-specific NCCL_* / GLOO_* settings belong on the cluster nodes)" >&2
+        return 1
+    fi
+    "${PYTHON}" - "${RUNTIME_ENV}" "${out}" "${GTPO_PLUGIN_MODULE}" "${ENV_PASSTHROUGH}" <<'PY'
 import os
+import re
 import sys
 
 import yaml
 
-src, dst, plugin, names, prefixes = sys.argv[1:6]
+src, dst, plugin, names = sys.argv[1:5]
 with open(src) as f:
     env = yaml.safe_load(f) or {}
 env_vars = {str(k): str(v) for k, v in (env.get("env_vars") or {}).items()}
 modules = [m.strip() for v in (env_vars.get("VERL_USE_EXTERNAL_MODULES", ""), plugin) for m in v.split(",")]
 env_vars["VERL_USE_EXTERNAL_MODULES"] = ",".join(dict.fromkeys(m for m in modules if m))
-wanted = set(names.split())
-for key, value in os.environ.items():
-    if key in wanted or any(key.startswith(p) for p in prefixes.split()):
-        env_vars[key] = value
+for key in names.split():
+    if key in os.environ:
+        env_vars[key] = os.environ[key]
+        if re.search(r"TOKEN|KEY|SECRET|PASSWORD", key):
+            print(f"[gtpo] warning: {key} is stored with the job and readable through the Ray dashboard; "
+                  "prefer setting it where `ray start` runs", file=sys.stderr)
 env["env_vars"] = env_vars
 with open(dst, "w") as f:
     yaml.safe_dump(env, f, sort_keys=True)
@@ -104,7 +130,53 @@ print(f"[gtpo] runtime env {dst}: env_vars {sorted(env_vars)}", file=sys.stderr)
 PY
 }
 
-# Run the recipe: dry run, local run or Ray job, with the infrastructure overrides first and "$@" after them.
+# Why this launch counts as a cluster run (printed), or status 1 when it does not.
+gtpo_cluster_reason() {
+    local mode=$1
+    if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+        echo "SLURM_JOB_ID=${SLURM_JOB_ID}"
+    elif [[ "${mode}" == job ]]; then
+        echo "SUBMIT_MODE=job, RAY_ADDRESS=${RAY_ADDRESS}"
+    elif [[ "${NNODES}" =~ ^[0-9]+$ ]] && ((NNODES > 1)); then
+        echo "NNODES=${NNODES}"
+    else
+        return 1
+    fi
+}
+
+# On a cluster every node must read the same data, model and checkpoint paths: absolute, outside $HOME.
+gtpo_check_paths() {
+    local mode=$1 reason var item
+    local -a items
+    reason=$(gtpo_cluster_reason "${mode}") || return 0
+    for var in TRAIN_FILE TEST_FILE MODEL_PATH CKPTS_DIR; do
+        # A Hydra list ([a,b]) is checked item by item.
+        local value=${!var}
+        value=${value#[}
+        IFS=',' read -r -a items <<<"${value%]}"
+        for item in "${items[@]}"; do
+            item=${item//[\"\' ]/}
+            if [[ "${item}" != /* ]]; then
+                echo "${var}=${item}: not an absolute path; on a cluster (${reason}) every node must read it at the" \
+                    "same place (MODEL_PATH is a local folder, not a hub id: huggingface-cli download --local-dir)" >&2
+                return 1
+            fi
+            if [[ "${ALLOW_HOME_PATHS}" != 1 && -n "${HOME:-}" ]] \
+                && [[ "${item}" == "${HOME}" || "${item}" == "${HOME}"/* ]]; then
+                echo "${var}=${item} is under \$HOME=${HOME}: on a cluster (${reason}) set RAY_DATA_HOME=<shared" \
+                    "folder mounted at the same path on every node> or ${var} itself (ALLOW_HOME_PATHS=1 if \$HOME is" \
+                    "such a folder)" >&2
+                return 1
+            fi
+        done
+    done
+    if [[ "${mode}" == job ]]; then
+        echo "[gtpo] paths the cluster will read (nothing but WORKING_DIR is uploaded): TRAIN_FILE=${TRAIN_FILE}" \
+            "TEST_FILE=${TEST_FILE} MODEL_PATH=${MODEL_PATH} CKPTS_DIR=${CKPTS_DIR}" >&2
+    fi
+}
+
+# Run the recipe: dry run, preflight, local run or Ray job, with the infrastructure overrides first and "$@" after them.
 gtpo_launch() {
     local mode
     mode=$(gtpo_submit_mode)
@@ -129,8 +201,13 @@ gtpo_launch() {
         echo "[gtpo] DRY_RUN: resolve and validate only; the real run would use SUBMIT_MODE=${mode}" >&2
         DRY_RUN=1 exec "${PYTHON}" -m "${ENTRYPOINT}" "${overrides[@]}"
     fi
+    gtpo_check_paths "${mode}" || return 1
+    local module=${ENTRYPOINT}
+    if [[ "${PREFLIGHT}" == 1 || "${PREFLIGHT}" == true ]]; then
+        module=gtpo.verl_plugin.preflight
+    fi
     if [[ "${mode}" == local ]]; then
-        exec "${PYTHON}" -m "${ENTRYPOINT}" "${overrides[@]}"
+        exec "${PYTHON}" -m "${module}" "${overrides[@]}"
     fi
 
     local env_file
@@ -142,5 +219,5 @@ gtpo_launch() {
     if [[ "${JOB_NO_WAIT}" == 1 ]]; then
         submit+=(--no-wait)
     fi
-    "${submit[@]}" -- python3 -m "${ENTRYPOINT}" "${overrides[@]}"
+    "${submit[@]}" -- python3 -m "${module}" "${overrides[@]}"
 }

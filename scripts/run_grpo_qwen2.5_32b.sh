@@ -9,6 +9,7 @@
 #   bash scripts/run_grpo_qwen2.5_32b.sh [overrides]                     # on this node / Slurm driver
 #   RAY_ADDRESS=http://<head>:8265 bash scripts/run_grpo_qwen2.5_32b.sh   # ray job submit to a cluster
 #   DRY_RUN=1 bash scripts/run_grpo_qwen2.5_32b.sh                       # resolve + validate, no Ray
+#   PREFLIGHT=1 bash scripts/run_grpo_qwen2.5_32b.sh                     # on the cluster, before training (seconds)
 set -xeuo pipefail
 
 # Algorithm
@@ -24,11 +25,11 @@ clip_ratio_high=0.2
 loss_agg_mode=seq-mean-token-mean
 val_sampling=paper
 
-# Infrastructure
+# Infrastructure (on a cluster RAY_DATA_HOME, or each path, must be shared storage: scripts/common.sh)
 NNODES=${NNODES:-4}
 NGPUS_PER_NODE=${NGPUS_PER_NODE:-8}
 RAY_DATA_HOME=${RAY_DATA_HOME:-"${HOME}/verl"}
-MODEL_PATH=${MODEL_PATH:-Qwen/Qwen2.5-32B}
+MODEL_PATH=${MODEL_PATH:-"${RAY_DATA_HOME}/models/Qwen2.5-32B"}
 TRAIN_FILE=${TRAIN_FILE:-"${RAY_DATA_HOME}/data/dapo-math-17k.parquet"}
 TEST_FILE=${TEST_FILE:-"[${RAY_DATA_HOME}/data/aime2024.parquet,${RAY_DATA_HOME}/data/aime2025.parquet,${RAY_DATA_HOME}/data/math500.parquet]"}
 PROJECT_NAME=${PROJECT_NAME:-gtpo-reproduction}

@@ -6,9 +6,19 @@
 # (parallelism, offload, token budgets) and configs/scale/paper.yaml (paper A's batch, lengths, lr, sampling).
 # Launch logic: scripts/common.sh.
 #
+# Group size and updates per step (differs from the method preset on purpose): configs/method/gtpo_traj.yaml
+# states paper B's own setting, G = 8 responses per prompt and one on-policy update per rollout (mini-batch = batch).
+# The model preset, composed after it, and the knobs below (n_resp_per_prompt, train_prompt_mini_bsz) instead give
+# GTPO-trajectory the same batch as the five other methods, so all six curves compare step for step: its group
+# is the shared one and a step takes train_prompt_bsz / train_prompt_mini_bsz PPO-clip updates, the later ones
+# off-policy (ratio != 1, verl's clip at 0.2 active). Paper B's single on-policy update:
+#   bash scripts/run_gtpo_traj_qwen2.5_32b.sh actor_rollout_ref.rollout.n=8 \
+#       actor_rollout_ref.actor.ppo_mini_batch_size=<train_prompt_bsz>
+#
 #   bash scripts/run_gtpo_traj_qwen2.5_32b.sh [overrides]                     # on this node / Slurm driver
 #   RAY_ADDRESS=http://<head>:8265 bash scripts/run_gtpo_traj_qwen2.5_32b.sh   # ray job submit to a cluster
 #   DRY_RUN=1 bash scripts/run_gtpo_traj_qwen2.5_32b.sh                       # resolve + validate, no Ray
+#   PREFLIGHT=1 bash scripts/run_gtpo_traj_qwen2.5_32b.sh                     # on the cluster, before training (seconds)
 set -xeuo pipefail
 
 # Algorithm
@@ -24,11 +34,11 @@ clip_ratio_high=0.2
 loss_agg_mode=seq-mean-token-mean
 val_sampling=paper
 
-# Infrastructure
+# Infrastructure (on a cluster RAY_DATA_HOME, or each path, must be shared storage: scripts/common.sh)
 NNODES=${NNODES:-4}
 NGPUS_PER_NODE=${NGPUS_PER_NODE:-8}
 RAY_DATA_HOME=${RAY_DATA_HOME:-"${HOME}/verl"}
-MODEL_PATH=${MODEL_PATH:-Qwen/Qwen2.5-32B}
+MODEL_PATH=${MODEL_PATH:-"${RAY_DATA_HOME}/models/Qwen2.5-32B"}
 TRAIN_FILE=${TRAIN_FILE:-"${RAY_DATA_HOME}/data/dapo-math-17k.parquet"}
 TEST_FILE=${TEST_FILE:-"[${RAY_DATA_HOME}/data/aime2024.parquet,${RAY_DATA_HOME}/data/aime2025.parquet,${RAY_DATA_HOME}/data/math500.parquet]"}
 PROJECT_NAME=${PROJECT_NAME:-gtpo-reproduction}

@@ -58,10 +58,63 @@ def test_required_verl_record():
     assert re.fullmatch(r"verlai/verl:[\w.-]+", req["IMAGE"])
 
 
-def test_from_matches_required_verl():
+def test_from_matches_required_verl_pinned_by_digest():
     text = DOCKERFILE.read_text()
     froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
-    assert froms == [required_verl()["IMAGE"]]
+    assert len(froms) == 1
+    tag, _, digest = froms[0].partition("@")
+    assert tag == required_verl()["IMAGE"] and re.fullmatch(r"sha256:[0-9a-f]{64}", digest), froms[0]
+
+
+def _joined_runs() -> list[str]:
+    """RUN instructions with Docker's line continuations joined."""
+    text = DOCKERFILE.read_text().replace("\\\n", "")
+    return [line[4:] for line in text.splitlines() if line.startswith("RUN ")]
+
+
+def test_base_nvidia_wheels_constrained_before_installs():
+    """The base image's nvidia-* versions (its NCCL override among them) join the constraints before any install."""
+    (install, _) = _joined_runs()
+    steps = [step.strip() for step in install.split("&&")]
+    assert steps[0] == "pip list --format=freeze | grep -i '^nvidia-' >> /tmp/gtpo-constraints.txt"
+    assert all("-c /tmp/gtpo-constraints.txt" in step for step in steps[1:] if step.startswith("pip install"))
+    assert re.search(r'^SHELL \["/bin/bash", "-o", "pipefail", "-c"\]', DOCKERFILE.read_text(), re.M)
+
+
+@pytest.mark.parametrize(
+    "versions,ok",
+    [
+        ({"torch": "2.11.0+cu130", "vllm": "0.24.0", "nvidia-nccl-cu13": "2.29.7"}, True),
+        ({"torch": "2.11.0", "vllm": "0.24.0", "nvidia-nccl-cu13": "2.27.3"}, False),  # torch's own pin came back
+        ({"torch": "2.10.0", "vllm": "0.24.0", "nvidia-nccl-cu13": "2.29.7"}, False),
+        ({"torch": "2.11.0", "vllm": "0.23.1", "nvidia-nccl-cu13": "2.30.1"}, False),
+    ],
+)
+def test_build_time_stack_check(monkeypatch, versions, ok):
+    """The image's last check, run here with the versions a build could end up with."""
+    (_, final) = _joined_runs()
+    checks = [step.strip() for step in final.split("&&") if "importlib.metadata" in step]
+    (code,) = [re.fullmatch(r'python3 -c "(.*)"', step).group(1) for step in checks]
+    monkeypatch.setattr(metadata, "version", lambda name: versions[name])
+    if ok:
+        exec(code, {})
+    else:
+        with pytest.raises(AssertionError):
+            exec(code, {})
+
+
+def test_env_on_every_launch_path():
+    text = DOCKERFILE.read_text()
+    for setting in ("TORCH_NCCL_AVOID_RECORD_STREAMS=1", "PYTHONNOUSERSITE=1"):
+        assert re.search(rf"^\s+{setting}( \\)?$", text, re.M), setting
+
+
+def test_readme_states_driver_and_shared_memory_once():
+    readme = (REPO / "docker" / "README.md").read_text()
+    assert "driver >= 580" in readme
+    for line in readme.splitlines():
+        if "docker run" in line and "--ipc=host" in line:
+            assert "--shm-size" not in line, line  # ignored with --ipc=host
 
 
 def test_verl_pinned_without_deps():

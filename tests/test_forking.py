@@ -75,7 +75,7 @@ def test_no_gradient_through_mask():
 # ------------------------------------------------------------------------------------------- loss hook (verl)
 
 
-def _actor_config(mode="token-mean"):
+def _actor_config(mode="token-mean", loss_mode="vanilla"):
     from verl.workers.config import FSDPActorConfig
 
     return FSDPActorConfig(
@@ -87,6 +87,7 @@ def _actor_config(mode="token-mean"):
         clip_ratio_low=0.2,
         clip_ratio_high=0.28,
         calculate_entropy=True,
+        policy_loss={"loss_mode": loss_mode},
     )
 
 

@@ -2,9 +2,11 @@
 
     .venv/bin/pytest -q tests/test_k8s_manifest.py
 
-The schema is KubeRay v1.7.0's CRD schema (tests/schemas/README.md gives its provenance), validated with
-`jsonschema` in strict mode: objects that list their properties reject unknown fields, as kubeconform -strict
-does, so a misspelt field fails here rather than being pruned silently by the API server.
+The schemas are the RayJob CRD schemas of KubeRay v1.2.2 (the oldest release the manifest declares: "KubeRay >=
+1.2", spec.backoffLimit arrived in v1.2.0) and v1.7.0 (tests/schemas/README.md gives their provenance), validated
+with `jsonschema` in strict mode: objects that list their properties reject unknown fields, as kubeconform -strict
+does, so a misspelt field, or one the declared oldest operator does not know, fails here rather than being pruned
+silently by the API server.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = REPO / "scripts" / "k8s" / "rayjob.yaml"
-SCHEMA = REPO / "tests" / "schemas" / "rayjob_ray.io_v1.schema.json"
+SCHEMAS = {
+    "1.2.2": REPO / "tests" / "schemas" / "rayjob_ray.io_v1_kuberay-1.2.2.schema.json",
+    "1.7.0": REPO / "tests" / "schemas" / "rayjob_ray.io_v1.schema.json",
+}
 PLUGIN = "gtpo.verl_plugin.register"
 
 
@@ -40,9 +45,9 @@ def strict(schema):
     return schema
 
 
-@pytest.fixture(scope="module")
-def validator():
-    schema = strict(json.loads(SCHEMA.read_text()))
+@pytest.fixture(scope="module", params=sorted(SCHEMAS))
+def validator(request):
+    schema = strict(json.loads(SCHEMAS[request.param].read_text()))
     jsonschema.Draft7Validator.check_schema(schema)
     return jsonschema.Draft7Validator(schema)
 
@@ -60,6 +65,17 @@ def errors(validator, doc) -> list[str]:
 
 def test_schema_valid(validator, job):
     assert errors(validator, job) == []
+
+
+def test_declared_kuberay_version_is_the_oldest_schema(job):
+    declared = re.search(r"KubeRay >= (\d+)\.(\d+)", MANIFEST.read_text().splitlines()[0])
+    assert declared, "the manifest's first line states the oldest KubeRay it needs"
+    oldest = min(SCHEMAS, key=lambda v: tuple(map(int, v.split("."))))
+    assert oldest.split(".")[:2] == list(declared.groups())
+    # The field that sets the floor is used, and the oldest schema knows it.
+    assert "backoffLimit" in job["spec"]
+    spec = json.loads(SCHEMAS[oldest].read_text())["properties"]["spec"]["properties"]
+    assert "backoffLimit" in spec
 
 
 @pytest.mark.parametrize(
@@ -99,9 +115,9 @@ def test_recipe_fields(job):
     spec = job["spec"]
     assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] > 0
 
-    # The entrypoint calls one launch script of this repository, at its path inside the image.
-    match = re.fullmatch(r"bash /workspace/gtpo/(scripts/run_\w+_qwen2\.5_\w+\.sh)( .*)?", spec["entrypoint"])
-    assert match and (REPO / match.group(1)).is_file(), spec["entrypoint"]
+    # The entrypoint calls launch scripts of this repository, at their path inside the image.
+    scripts = re.findall(r"/workspace/gtpo/(scripts/run_\w+_qwen2\.5_\w+\.sh)", spec["entrypoint"])
+    assert scripts and all((REPO / s).is_file() for s in scripts), spec["entrypoint"]
 
     env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
     assert PLUGIN in env["VERL_USE_EXTERNAL_MODULES"].split(",")
@@ -137,6 +153,44 @@ def test_recipe_fields(job):
         # W&B key from a Secret, never a literal.
         (wandb,) = [e for e in container(group)["env"] if e["name"] == "WANDB_API_KEY"]
         assert "value" not in wandb and wandb["valueFrom"]["secretKeyRef"]["name"]
+
+
+@pytest.mark.parametrize("preflight_rc", [0, 1])
+def test_entrypoint_runs_preflight_then_training(job, tmp_path, preflight_rc):
+    """The entrypoint under bash, with the image's launch script replaced by one that records its calls."""
+    import subprocess
+
+    fake = tmp_path / "scripts" / "run_gtpo_qwen2.5_32b.sh"
+    fake.parent.mkdir()
+    log = tmp_path / "calls"
+    fake.write_text(
+        f'echo "PREFLIGHT=$PREFLIGHT $*" >> {log}\nif [[ "$PREFLIGHT" == 1 ]]; then exit {preflight_rc}; fi\n'
+    )
+    entrypoint = job["spec"]["entrypoint"].replace("/workspace/gtpo/", f"{tmp_path}/")
+    proc = subprocess.run(["bash", "-c", entrypoint], capture_output=True, text=True)
+    calls = log.read_text().splitlines()
+    preflight, training = "PREFLIGHT=1 trainer.total_epochs=1", "PREFLIGHT=0 trainer.total_epochs=1"
+    if preflight_rc == 0:
+        assert proc.returncode == 0 and calls == [preflight, training]
+    else:
+        assert proc.returncode != 0 and calls == [preflight]
+
+
+def test_multi_node_network_and_cpus(job):
+    cluster = job["spec"]["rayClusterSpec"]
+    env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
+    # Set on every launch path (job runtime env, sbatch, image): NCCL frees buffers without record_stream.
+    assert env["TORCH_NCCL_AVOID_RECORD_STREAMS"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    (workers,) = cluster["workerGroupSpecs"]
+    worker = container(workers)
+    assert "IPC_LOCK" in worker["securityContext"]["capabilities"]["add"]
+    pod_env = {e["name"]: e.get("value") for e in worker["env"]}
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        assert re.fullmatch(r"[\w.-]+", pod_env[key]), key  # one interface name (Gloo rejects ^ lists)
+    # Ray advertises what the pod requests; the request fits a 96-vCPU 8-GPU node's allocatable CPUs.
+    cpus = int(worker["resources"]["requests"]["cpu"])
+    assert int(workers["rayStartParams"]["num-cpus"]) == cpus <= 90
+    assert int(worker["resources"].get("limits", {}).get("cpu", cpus)) >= cpus
 
 
 def test_ray_version_matches_image(job):

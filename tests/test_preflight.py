@@ -1,0 +1,369 @@
+"""gtpo/verl_plugin/preflight.py against a temporary "cluster" layout: every check passes on a good setup and fails,
+naming its item, on a broken one.
+
+    .venv/bin/pytest -q tests/test_preflight.py
+
+The layout is a shared folder with verl-style parquet data, a model folder (config.json, tokenizer, weights) and a
+checkpoint folder. Nodes are a fake cluster whose reports come from the real :func:`node_report` (it reads the
+checkpoint token file) with the driver version, GPU count and interface addresses a real node would report; a node
+that does not share the checkpoint folder reads another folder. The last tests go through the launch script
+(``PREFLIGHT=1 bash scripts/run_gtpo_qwen2.5_<size>.sh``) with a fake ``nvidia-smi``. No Ray is started.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ITEMS = [
+    "config",
+    "overlong buffer",
+    "train data",
+    "val data",
+    "model",
+    "trackers",
+    "checkpoint cadence",
+    "checkpoint dir",
+    "ray cluster",
+    "checkpoint shared",
+    "driver",
+    "interfaces",
+]
+
+
+def write_layout(root: Path, model_name: str = "Qwen2.5-7B", positions: int = 131072) -> dict[str, Path]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = root / "data"
+    data.mkdir(parents=True)
+    rows = {
+        "data_source": ["math_dapo"] * 3,
+        "prompt": [[{"role": "user", "content": f"1+{i}? Answer:"}] for i in range(3)],
+        "reward_model": [{"style": "rule", "ground_truth": str(1 + i)} for i in range(3)],
+    }
+    pq.write_table(pa.table(rows), data / "dapo-math-17k.parquet")
+    pq.write_table(pa.table(rows), data / "aime-2024.parquet")
+    model = root / "models" / model_name
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": positions}))
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    return {
+        "train": data / "dapo-math-17k.parquet",
+        "val": data / "aime-2024.parquet",
+        "model": model,
+        "ckpts": root / "ckpts" / "gtpo-reproduction" / "gtpo-qwen2.5-7b",
+    }
+
+
+class FakeCluster:
+    """Nodes of a cluster; each report is node_report's, with what that node's hardware would say."""
+
+    remote = True
+
+    def __init__(self, n=1, gpus=8, driver="580.65.06", interfaces=None, address="10.1.2.{k}", unshared=None, **node):
+        self.specs = []
+        for k in range(1, n + 1):
+            spec = {"node": f"gpu-a0{k}", "gpus": gpus, "driver": driver, "address": address.format(k=k)}
+            spec["interfaces"] = dict(interfaces if interfaces is not None else {"ib0": f"10.1.2.{k}"})
+            spec.update(node.get(f"node{k}", {}))
+            self.specs.append(spec)
+        self.unshared = unshared  # (node number, folder it sees instead)
+
+    def nodes(self):
+        return [{"node": s["node"], "address": s["address"], "gpus": s["gpus"]} for s in self.specs]
+
+    def run_on_each(self, nodes, fn, token_path, interfaces):
+        assert [n["node"] for n in nodes] == [s["node"] for s in self.specs]
+        reports = []
+        for k, spec in enumerate(self.specs, start=1):
+            path = token_path
+            if self.unshared and self.unshared[0] == k:
+                path = str(self.unshared[1] / Path(token_path).name)
+            report = fn(path, interfaces)
+            report.update(node=spec["node"], driver=spec["driver"], gpus=spec["gpus"])
+            report["interfaces"] = {name: spec["interfaces"].get(name) for name in interfaces}
+            reports.append(report)
+        return reports
+
+
+GOOD_ENV = {"WANDB_MODE": "offline", "GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}
+
+
+@pytest.fixture
+def layout(tmp_path):
+    return write_layout(tmp_path / "shared" / "verl")
+
+
+@pytest.fixture
+def compose(monkeypatch):
+    import verl  # noqa: F401
+
+    import gtpo.verl_plugin.register  # noqa: F401
+    from gtpo.verl_plugin.dry_run import compose_config
+
+    monkeypatch.chdir(REPO)
+
+    def build(layout, *overrides, method="gtpo"):
+        return compose_config(
+            [
+                f"method={method}",
+                "model=qwen2.5_7b",
+                f"data.train_files={layout['train']}",
+                f"data.val_files={layout['val']}",
+                f"actor_rollout_ref.model.path={layout['model']}",
+                f"trainer.default_local_dir={layout['ckpts']}",
+                "trainer.nnodes=1",
+                *overrides,
+            ]
+        )
+
+    return build
+
+
+def run(cfg, cluster, env=None):
+    from gtpo.verl_plugin.preflight import run_preflight
+
+    out = io.StringIO()
+    rc = run_preflight(cfg, cluster, env=GOOD_ENV if env is None else env, out=out)
+    return rc, out.getvalue().splitlines()
+
+
+def test_good_layout_passes_every_check(compose, layout):
+    rc, lines = run(compose(layout), FakeCluster())
+    assert rc == 0, "\n".join(lines)
+    parsed = [re.match(r"\[preflight\] (ok|FAIL) +([^:]+): ", line).groups() for line in lines[:-1]]
+    assert parsed == [("ok", item) for item in ITEMS]
+    assert lines[-1].startswith(f"[preflight] OK: {len(ITEMS)} checks passed in ")
+    # The token file is gone afterwards.
+    assert not list(layout["ckpts"].glob(".preflight-*"))
+
+
+def _fail_line(lines, item):
+    fails = [line for line in lines if line.split()[1] == "FAIL"]
+    assert len(fails) == 1 and fails[0] == lines[-1], "\n".join(lines)
+    assert fails[0].startswith(f"[preflight] FAIL {item}: "), fails[0]
+    # Every check before it passed, none ran after it.
+    assert len(lines) == ITEMS.index(item) + 1
+    return fails[0]
+
+
+def _break_file(path: Path) -> None:
+    path.write_bytes(b"not parquet")
+
+
+@pytest.mark.parametrize(
+    "item,overrides,expect",
+    [
+        ("config", ["actor_rollout_ref.actor.ppo_mini_batch_size=33"], "ppo_mini_batch_size=33"),
+        ("train data", ["data.train_files=/nonexistent/train.parquet"], "/nonexistent/train.parquet does not exist"),
+        ("val data", ["data.prompt_key=question"], None),  # train data fails first unless the column exists there
+        ("model", ["actor_rollout_ref.model.path=Qwen/Qwen2.5-7B"], "is not a local folder"),
+        ("model", ["data.max_response_length=200000"], "max_position_embeddings=131072 <"),
+        ("checkpoint cadence", ["trainer.save_freq=-1"], "trainer.save_freq=-1"),
+    ],
+)
+def test_broken_config_fails_its_check(compose, layout, item, overrides, expect):
+    if item == "val data":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"question": ["q"], "prompt": ["p"]}), layout["train"])
+        pq.write_table(pa.table({"prompt": ["p"]}), layout["val"])
+        expect = "has no column data.prompt_key='question'"
+    if "max_response_length" in overrides[0]:
+        # keep the batch plan valid so that only the model's context length is wrong
+        overrides = [
+            *overrides,
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=60000",
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=60000",
+        ]
+    rc, lines = run(compose(layout, *overrides), FakeCluster())
+    assert rc == 1
+    assert expect in _fail_line(lines, item)
+
+
+def test_overlong_buffer_longer_than_the_response_fails(compose, layout):
+    rc, lines = run(compose(layout, "reward.reward_kwargs.overlong_buffer_cfg.len=30000", method="dapo"), FakeCluster())
+    assert rc == 1
+    # The dry run may catch it first (config); either way it is named and nothing after it runs.
+    (fail,) = [line for line in lines if " FAIL " in line]
+    assert fail == lines[-1] and "overlong_buffer_cfg.len" in fail
+    assert fail.startswith(("[preflight] FAIL overlong buffer: ", "[preflight] FAIL config: "))
+
+
+def test_unreadable_train_file_fails(compose, layout):
+    _break_file(layout["train"])
+    rc, lines = run(compose(layout), FakeCluster())
+    assert rc == 1 and "is not a readable parquet file" in _fail_line(lines, "train data")
+
+
+def test_model_without_weights_fails(compose, layout):
+    (layout["model"] / "model.safetensors").unlink()
+    rc, lines = run(compose(layout), FakeCluster())
+    assert rc == 1 and "no weights" in _fail_line(lines, "model")
+
+
+def test_wandb_without_key_or_offline_mode_fails(compose, layout):
+    env = {k: v for k, v in GOOD_ENV.items() if k != "WANDB_MODE"}
+    rc, lines = run(compose(layout), FakeCluster(), env=env)
+    assert rc == 1 and "WANDB_API_KEY is unset" in _fail_line(lines, "trackers")
+    rc, _ = run(compose(layout), FakeCluster(), env={**env, "WANDB_API_KEY": "k"})
+    assert rc == 0
+
+
+def test_unwritable_checkpoint_dir_fails(compose, layout, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    rc, lines = run(compose(layout, f"trainer.default_local_dir={blocker}/ckpts"), FakeCluster())
+    assert rc == 1 and f"trainer.default_local_dir={blocker}/ckpts" in _fail_line(lines, "checkpoint dir")
+
+
+@pytest.mark.parametrize(
+    "cluster,overrides,expect",
+    [
+        (dict(n=2), [], "2 GPU node(s) ['gpu-a01', 'gpu-a02'] != trainer.nnodes=1"),
+        (dict(n=1, gpus=4), [], "node gpu-a01 has 4 GPU(s) < trainer.n_gpus_per_node=8"),
+        (dict(n=2, address="127.0.0.1"), ["trainer.nnodes=2"], "joined on loopback address 127.0.0.1"),
+    ],
+)
+def test_cluster_size_and_addresses(compose, layout, cluster, overrides, expect):
+    rc, lines = run(compose(layout, *overrides), FakeCluster(**cluster))
+    assert rc == 1 and expect in _fail_line(lines, "ray cluster")
+
+
+def test_two_node_cluster_passes(compose, layout):
+    rc, lines = run(compose(layout, "trainer.nnodes=2"), FakeCluster(n=2))
+    assert rc == 0, "\n".join(lines)
+
+
+def test_gpu_less_head_has_no_driver_to_check(compose, layout):
+    # The RayJob's head: no GPU, no nvidia-smi; the two GPU workers are checked.
+    cluster = FakeCluster(n=3, node1={"gpus": 0, "driver": None})
+    rc, lines = run(compose(layout, "trainer.nnodes=2"), cluster)
+    assert rc == 0, "\n".join(lines)
+    cluster = FakeCluster(n=3, node1={"gpus": 0, "driver": None}, node3={"driver": "570.86.15"})
+    rc, lines = run(compose(layout, "trainer.nnodes=2"), cluster)
+    assert rc == 1 and "node gpu-a03: NVIDIA driver 570.86.15" in _fail_line(lines, "driver")
+
+
+def test_checkpoint_dir_not_shared_fails(compose, layout, tmp_path):
+    local = tmp_path / "node-local"
+    local.mkdir()
+    rc, lines = run(compose(layout, "trainer.nnodes=2"), FakeCluster(n=2, unshared=(2, local)))
+    assert rc == 1 and "node gpu-a02 reads" in _fail_line(lines, "checkpoint shared")
+
+
+@pytest.mark.parametrize(
+    "driver,expect", [("550.54.15", "NVIDIA driver 550.54.15 < 580"), (None, "no NVIDIA driver answered")]
+)
+def test_old_or_missing_driver_fails(compose, layout, driver, expect):
+    cluster = FakeCluster(n=2, node2={"driver": driver})
+    rc, lines = run(compose(layout, "trainer.nnodes=2"), cluster)
+    assert rc == 1 and f"node gpu-a02: {expect}" in _fail_line(lines, "driver")
+
+
+@pytest.mark.parametrize(
+    "env,cluster,expect",
+    [
+        ({}, dict(n=2, node2={"interfaces": {}}), "node gpu-a02: interface ib0 has no IPv4 address"),
+        ({"RAY_NETWORK_INTERFACE": "lo"}, dict(n=2, interfaces={"ib0": "10.0.0.1", "lo": "127.0.0.1"}), "lo has 127"),
+        ({"GLOO_SOCKET_IFNAME": "^lo,docker"}, dict(n=2), "Gloo needs one interface name"),
+    ],
+)
+def test_interfaces_fail(compose, layout, env, cluster, expect):
+    rc, lines = run(compose(layout, "trainer.nnodes=2"), FakeCluster(**cluster), env={**GOOD_ENV, **env})
+    assert rc == 1 and expect in _fail_line(lines, "interfaces")
+
+
+def test_node_report_reads_token_and_loopback(tmp_path):
+    from gtpo.verl_plugin.preflight import node_report
+
+    token = tmp_path / "t"
+    token.write_text("abc")
+    report = node_report(str(token), ["lo", "no-such-if0"])
+    assert report["token"] == "abc" and report["interfaces"] == {"lo": "127.0.0.1", "no-such-if0": None}
+    assert node_report(str(tmp_path / "missing"), [])["token"].startswith("<unreadable")
+
+
+@pytest.mark.e2e
+def test_ray_cluster_reports_from_every_node(ray_session, ray_cluster, tmp_path):
+    """The real Ray side: alive nodes listed, node_report pinned to each of them, the token read back."""
+    from gtpo.verl_plugin.preflight import RayCluster, node_report
+
+    cluster = RayCluster(ray_cluster.address)
+    nodes = cluster.nodes()
+    assert nodes and all(n["id"] and n["address"] for n in nodes)
+    token = tmp_path / "token"
+    token.write_text("xyz")
+    reports = cluster.run_on_each(nodes, node_report, str(token), ["lo"])
+    assert [r["token"] for r in reports] == ["xyz"] * len(nodes)
+    assert all(r["interfaces"] == {"lo": "127.0.0.1"} for r in reports)
+
+
+# ------------------------------------------------------------------ through the launch script (PREFLIGHT=1)
+
+
+def _launch(tmp_path, size, **extra):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [[ "$1" == -L ]]; then for i in 0 1 2 3 4 5 6 7; do echo "GPU $i: NVIDIA H100 (UUID: GPU-$i)"; done\n'
+        'else echo "${FAKE_DRIVER:-580.82.07}"; fi\n'
+    )
+    smi.chmod(0o755)
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SUBMIT_", "WANDB_", "SLURM_", "GLOO_"))}
+    env = {k: v for k, v in env.items() if not k.startswith(("NCCL_", "DRY_RUN", "PREFLIGHT"))}
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
+        PYTHON=sys.executable,
+        HOME=str(home),
+        PREFLIGHT="1",
+        WANDB_MODE="offline",
+        RAY_DATA_HOME=str(tmp_path / "shared" / "verl"),
+        PYTHONWARNINGS="ignore",
+        **extra,
+    )
+    return subprocess.run(
+        ["bash", str(REPO / "scripts" / f"run_gtpo_qwen2.5_{size}.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_launch_script_preflight_single_node(tmp_path):
+    write_layout(tmp_path / "shared" / "verl")
+    proc = _launch(tmp_path, "7b")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"[preflight] OK: {len(ITEMS)} checks passed" in proc.stdout
+    assert "models/Qwen2.5-7B (max_position_embeddings=131072" in proc.stdout
+    assert "ray cluster: 1 GPU node(s) x >= 8 GPU(s)" in proc.stdout
+
+
+def test_launch_script_preflight_old_driver(tmp_path):
+    write_layout(tmp_path / "shared" / "verl")
+    proc = _launch(tmp_path, "7b", FAKE_DRIVER="535.104.05")
+    assert proc.returncode == 1
+    assert "[preflight] FAIL driver: " in proc.stdout and "535.104.05 < 580" in proc.stdout
+
+
+def test_launch_script_preflight_multi_node_needs_the_cluster(tmp_path):
+    write_layout(tmp_path / "shared" / "verl", model_name="Qwen2.5-32B")
+    proc = _launch(tmp_path, "32b")
+    assert proc.returncode == 1
+    assert "[preflight] FAIL ray cluster: trainer.nnodes=4 but RAY_ADDRESS is unset" in proc.stdout
