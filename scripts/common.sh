@@ -45,8 +45,8 @@ GTPO_PLUGIN_MODULE=gtpo.verl_plugin.register
 
 # Fallbacks for launch scripts that leave a variable out (each run_*.sh sets its own defaults first).
 RAY_DATA_HOME=${RAY_DATA_HOME:-"${HOME}/verl"}
-TRAIN_FILE=${TRAIN_FILE:-"${RAY_DATA_HOME}/data/dapo-math-17k.parquet"}
-TEST_FILE=${TEST_FILE:-"${RAY_DATA_HOME}/data/aime-2024.parquet"}
+TRAIN_FILE=${TRAIN_FILE:-"${RAY_DATA_HOME}/data/dapo_math_17k.parquet"}
+TEST_FILE=${TEST_FILE:-"[${RAY_DATA_HOME}/data/aime2024.parquet,${RAY_DATA_HOME}/data/aime2025.parquet,${RAY_DATA_HOME}/data/math500.parquet]"}
 RAY_ADDRESS=${RAY_ADDRESS:-}
 WORKING_DIR=${WORKING_DIR:-"${GTPO_REPO_ROOT}"}
 RUNTIME_ENV=${RUNTIME_ENV:-"${GTPO_REPO_ROOT}/recipe/gtpo/runtime_env.yaml"}

@@ -6,14 +6,11 @@
 # (parallelism, offload, token budgets) and configs/scale/paper.yaml (paper A's batch, lengths, lr, sampling).
 # Launch logic: scripts/common.sh.
 #
-# Group size and updates per step (differs from the method preset on purpose): configs/method/gtpo_traj.yaml
-# states paper B's own setting, G = 8 responses per prompt and one on-policy update per rollout (mini-batch = batch).
-# The model preset, composed after it, and the knobs below (n_resp_per_prompt, train_prompt_mini_bsz) instead give
-# GTPO-trajectory the same batch as the five other methods, so all six curves compare step for step: its group
-# is the shared one and a step takes train_prompt_bsz / train_prompt_mini_bsz PPO-clip updates, the later ones
-# off-policy (ratio != 1, verl's clip at 0.2 active). Paper B's single on-policy update:
-#   bash scripts/run_gtpo_traj_qwen2.5_32b.sh actor_rollout_ref.rollout.n=8 \
-#       actor_rollout_ref.actor.ppo_mini_batch_size=<train_prompt_bsz>
+# Group size and updates per step: paper B's own setting is G = 8 responses per prompt and one on-policy update per
+# rollout (mini-batch = batch, configs/method/gtpo_traj.yaml). At scale=paper, configs/scale/method/paper_gtpo_traj.yaml
+# keeps the single on-policy update but the group is the shared G = 16, so all six methods compare step for step on
+# the same batch. Paper B's group of 8:
+#   bash scripts/run_gtpo_traj_qwen2.5_32b.sh actor_rollout_ref.rollout.n=8
 #
 #   bash scripts/run_gtpo_traj_qwen2.5_32b.sh [overrides]                     # on this node / Slurm driver
 #   RAY_ADDRESS=http://<head>:8265 bash scripts/run_gtpo_traj_qwen2.5_32b.sh   # ray job submit to a cluster
@@ -39,7 +36,7 @@ NNODES=${NNODES:-4}
 NGPUS_PER_NODE=${NGPUS_PER_NODE:-8}
 RAY_DATA_HOME=${RAY_DATA_HOME:-"${HOME}/verl"}
 MODEL_PATH=${MODEL_PATH:-"${RAY_DATA_HOME}/models/Qwen2.5-32B"}
-TRAIN_FILE=${TRAIN_FILE:-"${RAY_DATA_HOME}/data/dapo-math-17k.parquet"}
+TRAIN_FILE=${TRAIN_FILE:-"${RAY_DATA_HOME}/data/dapo_math_17k.parquet"}
 TEST_FILE=${TEST_FILE:-"[${RAY_DATA_HOME}/data/aime2024.parquet,${RAY_DATA_HOME}/data/aime2025.parquet,${RAY_DATA_HOME}/data/math500.parquet]"}
 PROJECT_NAME=${PROJECT_NAME:-gtpo-reproduction}
 EXP_NAME=${EXP_NAME:-gtpo_traj-qwen2.5-32b}

@@ -148,8 +148,10 @@ def test_recipe_fields(job):
         # Checkpoints on a persistent volume that holds CKPTS_DIR; data and model read from a mounted volume.
         ckpt_mount = next(p for p in mounts if env["CKPTS_DIR"].startswith(p + "/"))
         assert "persistentVolumeClaim" in volumes[mounts[ckpt_mount]["name"]]
-        for key in ("MODEL_PATH", "TRAIN_FILE", "TEST_FILE"):
-            assert any(env[key].startswith(p + "/") for p in mounts), key
+        # TEST_FILE is a Hydra list of files, like the launch scripts' default.
+        paths = [env["MODEL_PATH"], env["TRAIN_FILE"], *env["TEST_FILE"].strip("[]").split(",")]
+        for path in paths:
+            assert any(path.startswith(p + "/") for p in mounts), path
         # W&B key from a Secret, never a literal.
         (wandb,) = [e for e in container(group)["env"] if e["name"] == "WANDB_API_KEY"]
         assert "value" not in wandb and wandb["valueFrom"]["secretKeyRef"]["name"]

@@ -75,7 +75,7 @@ JOB = {"RAY_ADDRESS": "http://head:8265"}
 @pytest.mark.parametrize(
     "extra,message",
     [
-        ({}, "TRAIN_FILE={home}/verl/data/dapo-math-17k.parquet is under $HOME={home}"),
+        ({}, "TRAIN_FILE={home}/verl/data/dapo_math_17k.parquet is under $HOME={home}"),
         ({"RAY_DATA_HOME": "/shared/verl", "CKPTS_DIR": "{home}/ckpts"}, "CKPTS_DIR={home}/ckpts is under $HOME"),
         ({"RAY_DATA_HOME": "/shared/verl", "TRAIN_FILE": "data/train.parquet"}, "TRAIN_FILE=data/train.parquet: not"),
         ({"RAY_DATA_HOME": "/shared/verl", "MODEL_PATH": "Qwen/Qwen2.5-32B"}, "MODEL_PATH=Qwen/Qwen2.5-32B: not an"),
@@ -119,7 +119,7 @@ def test_slurm_driver_refuses_home_paths(launch):
 def test_single_node_keeps_the_home_default(launch):
     proc, calls, _ = launch(script("dapo", "7b"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"data.train_files={launch.home}/verl/data/dapo-math-17k.parquet" in calls[0]
+    assert f"data.train_files={launch.home}/verl/data/dapo_math_17k.parquet" in calls[0]
     assert f"actor_rollout_ref.model.path={launch.home}/verl/models/Qwen2.5-7B" in calls[0]
 
 

@@ -50,16 +50,17 @@ def write_layout(root: Path, model_name: str = "Qwen2.5-7B", positions: int = 13
         "prompt": [[{"role": "user", "content": f"1+{i}? Answer:"}] for i in range(3)],
         "reward_model": [{"style": "rule", "ground_truth": str(1 + i)} for i in range(3)],
     }
-    pq.write_table(pa.table(rows), data / "dapo-math-17k.parquet")
-    pq.write_table(pa.table(rows), data / "aime-2024.parquet")
+    # The file names `python -m gtpo.data.prepare` writes, which the launch scripts default to.
+    for name in ("dapo_math_17k", "aime2024", "aime2025", "math500"):
+        pq.write_table(pa.table(rows), data / f"{name}.parquet")
     model = root / "models" / model_name
     model.mkdir(parents=True)
     (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": positions}))
     (model / "tokenizer.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"")
     return {
-        "train": data / "dapo-math-17k.parquet",
-        "val": data / "aime-2024.parquet",
+        "train": data / "dapo_math_17k.parquet",
+        "val": data / "aime2024.parquet",
         "model": model,
         "ckpts": root / "ckpts" / "gtpo-reproduction" / "gtpo-qwen2.5-7b",
     }
@@ -168,7 +169,6 @@ def _break_file(path: Path) -> None:
         ("train data", ["data.train_files=/nonexistent/train.parquet"], "/nonexistent/train.parquet does not exist"),
         ("val data", ["data.prompt_key=question"], None),  # train data fails first unless the column exists there
         ("model", ["actor_rollout_ref.model.path=Qwen/Qwen2.5-7B"], "is not a local folder"),
-        ("model", ["data.max_response_length=200000"], "max_position_embeddings=131072 <"),
         ("checkpoint cadence", ["trainer.save_freq=-1"], "trainer.save_freq=-1"),
     ],
 )
@@ -190,6 +190,14 @@ def test_broken_config_fails_its_check(compose, layout, item, overrides, expect)
     rc, lines = run(compose(layout, *overrides), FakeCluster())
     assert rc == 1
     assert expect in _fail_line(lines, item)
+
+
+def test_model_shorter_than_prompt_plus_response_fails(compose, tmp_path):
+    # A model whose context (4096 positions) is shorter than paper A's 2048 + 4096 tokens.
+    short = write_layout(tmp_path / "shared" / "verl", positions=4096)
+    rc, lines = run(compose(short), FakeCluster())
+    assert rc == 1
+    assert "max_position_embeddings=4096 <" in _fail_line(lines, "model")
 
 
 def test_overlong_buffer_longer_than_the_response_fails(compose, layout):

@@ -170,18 +170,16 @@ def _check_config(cfg: DictConfig) -> str:
 
 
 def _check_overlong(cfg: DictConfig) -> str:
+    from gtpo.verl_plugin.validation import check_overlong_shaping
+
     buffer = OmegaConf.select(cfg, "reward.reward_kwargs.overlong_buffer_cfg")
     if not buffer or not buffer.get("enable", False):
         return "soft overlong punishment off"
-    length = buffer.get("len")
-    max_resp = OmegaConf.select(cfg, "reward.reward_kwargs.max_resp_len") or cfg.data.max_response_length
-    if not isinstance(length, int) or not 0 < length < max_resp:
-        raise PreflightError(
-            "overlong buffer",
-            f"reward.reward_kwargs.overlong_buffer_cfg.len={length} must be in (0, max_resp_len={max_resp}): "
-            "otherwise the penalty starts at token 1 and is a pure length penalty",
-        )
-    return f"len={length} < max_resp_len={max_resp}"
+    try:
+        check_overlong_shaping(cfg)
+    except ValueError as err:
+        raise PreflightError("overlong buffer", str(err)) from None
+    return f"len={buffer.get('len')} < max_resp_len={OmegaConf.select(cfg, 'reward.reward_kwargs.max_resp_len')}"
 
 
 def _check_parquet(item: str, key: str, files: list[str], prompt_key: str) -> str:
