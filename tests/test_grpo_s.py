@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from gtpo.algorithms.entropy_shaping import (
-    GRPOSParams,
-    grpo_s_advantages,
-    grpo_s_sequence_rewards,
-    sequence_entropy,
-)
+from gtpo.algorithms.entropy_shaping import GRPOSParams
+from gtpo.algorithms.grpo_s import grpo_s_advantages, grpo_s_sequence_rewards, sequence_entropy
 from gtpo.algorithms.group_ops import group_ids
 from gtpo.algorithms.losses import grpo_s_loss_matrix, sequence_ratio
+
+
+def _joint(**kwargs) -> GRPOSParams:
+    """The signed-reward (joint) normalisation, the recipe's reading before paper A's §2.3 was read."""
+    return GRPOSParams(**{"norm_mode": "joint", **kwargs})
 
 
 def _batch(lengths, rewards, groups, L=None, seed=0, token_entropy=None):
@@ -110,7 +111,7 @@ def test_worked_example_by_hand():
     shaped = grpo_s_sequence_rewards(hbar, r, gid, 1)
     # 1 + 0.1 * 3/4 * 2 = 1.15; 1 + 0.1 * 1/4 * 2 = 1.05; -1 - 0.1 * (1/2)/(1) * 2 = -1.1
     torch.testing.assert_close(shaped, torch.tensor([1.15, 1.05, -1.1, -1.1], dtype=torch.float64), atol=1e-6, rtol=0)
-    adv, _ = grpo_s_advantages(ent, mask, r, gid, 1)
+    adv, _ = grpo_s_advantages(ent, mask, r, gid, 1, _joint())
     vals = [1.15, 1.05, -1.1, -1.1]
     sd = math.sqrt(sum(v * v for v in vals) / 3)  # mean is 0
     expected = torch.tensor([v / (sd + 1e-6) for v in vals])[:, None] * mask
@@ -136,7 +137,7 @@ def test_a2_t1_conservation(seed):
     n = torch.zeros(ng, dtype=torch.float64).index_add_(0, gid, correct.double())
     m = torch.zeros(ng, dtype=torch.float64).index_add_(0, gid, (~correct).double())
     for b1, b2 in [(0.9, 0.1), (1.0, 0.1), (0.3, 0.7)]:
-        shaped = grpo_s_sequence_rewards(hbar, r, gid, ng, GRPOSParams(beta1=b1, beta2=b2))
+        shaped = grpo_s_sequence_rewards(hbar, r, gid, ng, _joint(beta1=b1, beta2=b2))
         s_pos = torch.zeros(ng, dtype=torch.float64).index_add_(0, gid, torch.where(correct, shaped, 0.0))
         s_neg = torch.zeros(ng, dtype=torch.float64).index_add_(0, gid, torch.where(~correct, shaped, 0.0))
         torch.testing.assert_close(s_pos, n * (b1 + b2), atol=1e-5, rtol=0)
@@ -156,7 +157,7 @@ def test_a2_t2_identical_to_verl_grpo(reward_kind, case):
 
     lengths, rewards, groups = _random_groups(3, min_g=2, reward_kind=reward_kind, empty_p=0.0)
     ent, mask, r, gid, ng = _batch(lengths, rewards, groups, token_entropy=0.8 if case == "uniform" else None)
-    p = GRPOSParams(beta2=0.0) if case == "beta2_zero" else GRPOSParams()
+    p = _joint(beta2=0.0) if case == "beta2_zero" else _joint()
     adv, _ = grpo_s_advantages(ent, mask, r, gid, ng, p)
     L = mask.shape[1]
     expected, _ = compute_grpo_outcome_advantage(_tlr(lengths, r, L), mask, np.asarray(groups, dtype=object))
@@ -192,7 +193,7 @@ def test_a2_t3_sign_with_small_beta2(seed):
 def test_a2_t3_sign_can_flip_with_large_beta2():
     ent = torch.tensor([[0.001], [10.0], [1.0]])
     r = torch.tensor([1.0, 1.0, -1.0])
-    adv, _ = grpo_s_advantages(ent, torch.ones(3, 1), r, torch.zeros(3, dtype=torch.long), 1, GRPOSParams(beta2=5.0))
+    adv, _ = grpo_s_advantages(ent, torch.ones(3, 1), r, torch.zeros(3, dtype=torch.long), 1, _joint(beta2=5.0))
     assert adv[0, 0] < 0  # a correct response below its group mean: the condition of A2-T3 matters
 
 
@@ -204,7 +205,7 @@ def test_a2_t3_sign_can_flip_with_large_beta2():
 def test_vectorised_matches_loop_reference(seed):
     lengths, rewards, groups = _random_groups(200 + seed, reward_kind="01" if seed % 2 else "pm1")
     ent, mask, r, gid, ng = _batch(lengths, rewards, groups, seed=seed)
-    p = GRPOSParams(beta2=0.1 + 0.3 * seed, std="population" if seed % 3 == 0 else "unbiased")
+    p = _joint(beta2=0.1 + 0.3 * seed, std="population" if seed % 3 == 0 else "unbiased")
     offset = -0.5 * torch.rand(len(r), generator=torch.Generator().manual_seed(seed)) if seed % 2 else None
     shaped_ref, adv_ref = _loop_reference(ent, mask, r, gid, p, offset)
     nonempty = mask.bool().any(-1)
@@ -289,7 +290,7 @@ def test_padding_gets_nothing_and_diag_keys():
 )
 def test_params_validation(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}="):
-        GRPOSParams(**kwargs)
+        _joint(**kwargs)
 
 
 @pytest.mark.parametrize(

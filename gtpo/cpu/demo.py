@@ -38,8 +38,6 @@ Deliberate choices:
   ``algorithm.adv_estimator=<m>``; the demo's own settings come after it on the command line, so a preset cannot
   change the task or the budget (DAPO dynamic sampling, clip-higher, KL loss and loss aggregation are pinned) and
   runs of different methods stay comparable.
-* GTPO runs with ``algorithm.gtpo.norm_mode=joint`` (see ``METHOD_SETTINGS``): under the paper's split
-  normalisation the reward of this task cannot rise at all.
 * The reward never raises on odd responses (empty, special tokens only): they simply score 0.
 * The token heatmap shows the step whose batch reward is closest to 0.5 (``--heatmap-step`` picks another): late in
   a run every group is all-correct and GRPO's advantages are all 0.
@@ -130,14 +128,8 @@ DEMO_SETTINGS: tuple[str, ...] = (
     "trainer.project_name=gtpo_cpu_demo",
 )
 
-# Per-method demo settings, appended after DEMO_SETTINGS. GTPO whitens the shaped token rewards jointly: under the
-# paper's split normalisation (docs/ALGORITHMS.md §3.7) this task cannot be learned at all. The only token that decides
-# the reward is the first one, and all responses of a group share its context, so its entropy is equal across the
-# group, its shaped reward equals the set mean and its advantage is exactly 0 (claim A1-T2); the remaining
-# advantages carry no sign of correctness. `-- algorithm.gtpo.norm_mode=split` shows it (the reward does not rise).
-METHOD_SETTINGS: dict[str, tuple[str, ...]] = {
-    "gtpo": ("++algorithm.gtpo.norm_mode=joint",),
-}
+# Per-method demo settings, appended after DEMO_SETTINGS.
+METHOD_SETTINGS: dict[str, tuple[str, ...]] = {}
 
 REWARD_KEY = "critic/score/mean"
 
