@@ -19,9 +19,9 @@ from omegaconf import OmegaConf
 
 import gtpo.verl_plugin.entropy_shaping as plugin
 from gtpo.algorithms.entropy_shaping import GRPOSParams, GTPOParams
+from gtpo.algorithms.group_ops import group_ids
 from gtpo.algorithms.grpo_s import grpo_s_advantages
 from gtpo.algorithms.gtpo_token import gtpo_token_advantages
-from gtpo.algorithms.group_ops import group_ids
 from gtpo.algorithms.length_penalty import grop_penalty
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,8 +15,8 @@ import torch
 
 from gtpo.algorithms.entropy_shaping import GTPOParams
 from gtpo.algorithms.entropy_weights import active_counts, entropy_shares, gtpo_shaped_rewards
-from gtpo.algorithms.gtpo_token import gtpo_token_advantages
 from gtpo.algorithms.group_ops import group_ids
+from gtpo.algorithms.gtpo_token import gtpo_token_advantages
 
 # ---------------------------------------------------------------------------------------------------------------------
 # helpers
@@ -108,7 +108,7 @@ def _loop_reference(ent, mask, rewards, groups, p: GTPOParams, offset=None):
         else:
             sets.append((toks, [shaped[b][t] for b, t in toks], toks))
     adv = [[0.0] * L for _ in range(B)]
-    for members, vals, takers in sets:
+    for _members, vals, takers in sets:
         if len(vals) <= 1:
             continue
         mu = sum(vals) / len(vals)
@@ -144,7 +144,9 @@ def test_worked_example_mixed_group():
 
 def test_worked_example_all_wrong():
     ent = torch.tensor([[4.0, 1.0], [1.0, 4.0]])
-    shaped = gtpo_shaped_rewards(ent, torch.ones(2, 2), torch.tensor([-1.0, -1.0]), torch.zeros(2, dtype=torch.long), 1, _typeset())
+    shaped = gtpo_shaped_rewards(
+        ent, torch.ones(2, 2), torch.tensor([-1.0, -1.0]), torch.zeros(2, dtype=torch.long), 1, _typeset()
+    )
     # inverse entropies 1/4, 1 -> shares 0.2, 0.8, times h=2 -> 0.4, 1.6: -1 - 0.04 = -1.04, -1 - 0.16 = -1.16
     expected = torch.tensor([[-1.04, -1.16], [-1.16, -1.04]], dtype=torch.float64)
     torch.testing.assert_close(shaped, expected, atol=1e-6, rtol=0)
