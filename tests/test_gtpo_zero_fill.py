@@ -168,13 +168,14 @@ def test_chunked_path_large_zero_var_rtol_and_negative_correct_base(monkeypatch,
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_constant_set_decision_uses_token_level_abs_for_mixed_sign_rows():
+@pytest.mark.parametrize("scope", ["batch", "group"])  # closed-form path / chunked path
+def test_constant_set_decision_uses_token_level_abs_for_mixed_sign_rows(scope):
     """rtol between std / mean|x| and std / (sum_rows |sum x| / n) of the correct set: the set is constant
     (advantage 0) only if mean|x| is taken token by token, as the rows' shaped rewards have both signs."""
     ent, mask, _, gid, ng = _batch([4, 3, 4, 2, 3], [1, 1, 1, -1, -1], ["g"] * 5, seed=5)
     r = torch.tensor([0.3, 0.3, 0.3, -1.0, -1.0])
     offset = torch.tensor([-0.35, -0.35, -0.35, 0.0, 0.0])  # correct base -0.05: -0.05 + a2 * w, both signs
-    p = GTPOParams(norm_mode="split", alpha2=0.3)
+    p = GTPOParams(norm_mode="split", alpha2=0.3, norm_scope=scope, weight_scope=scope)
     shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, p, reward_offset=offset)
     m = mask.bool()
     sel = m & (r > 0)[:, None]
@@ -185,8 +186,23 @@ def test_constant_set_decision_uses_token_level_abs_for_mixed_sign_rows():
     std = float(x.std())
     rtol = 0.5 * (std / abs_tok + std / abs_row)
     assert std / abs_tok < rtol < std / abs_row < 1
-    p = GTPOParams(norm_mode="split", alpha2=0.3, zero_var_rtol=rtol)
+    p = GTPOParams(norm_mode="split", alpha2=0.3, zero_var_rtol=rtol, norm_scope=scope, weight_scope=scope)
     fast, _ = gtpo_token_advantages(ent, mask, r, gid, ng, p, reward_offset=offset)
     ref, _ = gtpo_reference(ent, mask, r, gid, ng, p, reward_offset=offset)
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
     assert torch.count_nonzero(fast[sel]) == 0
+
+
+@pytest.mark.parametrize("scope", ["batch", "group"])
+def test_near_constant_set_is_measured_not_cancelled(scope):
+    """Uniform entropy in an all-correct batch: the split set differs only by the eps guards (~a2*eps/H), so it is
+    constant under the default tolerance and only rounding-sized without it (both evaluation paths)."""
+    ent, mask, r, gid, ng = _batch([4, 2, 3, 1, 4], [1, 1, 1, 1, 1], list("aabbb"), L=4)
+    ent = torch.where(mask.bool(), torch.full_like(ent, 0.01), ent)
+    kw = dict(norm_mode="split", norm_scope=scope, weight_scope=scope)
+    adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(**kw))
+    assert torch.count_nonzero(adv) == 0
+    raw, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(zero_var_rtol=0.0, **kw))
+    ref, _ = gtpo_reference(ent, mask, r, gid, ng, GTPOParams(zero_var_rtol=0.0, **kw))
+    assert raw.abs().max() > 0.1  # rounding-sized spreads turned into sizeable advantages without the tolerance
+    torch.testing.assert_close(raw, ref, atol=2e-2, rtol=0)

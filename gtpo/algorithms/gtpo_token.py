@@ -27,7 +27,8 @@ import torch
 from gtpo.algorithms.chunked_rows import TokenChecker, chunk_rows, chunk_tokens
 from gtpo.algorithms.entropy_shaping import GTPOParams, shaping_bases, validate_with_params
 from gtpo.algorithms.group_ops import segment_sum
-from gtpo.algorithms.shaping_diagnostics import gtpo_diagnostics_from_rows
+from gtpo.algorithms.gtpo_closed_form import gtpo_batch_closed_form
+from gtpo.algorithms.shaping_diagnostics import advantage_row_sums, gtpo_diagnostics_from_rows
 from gtpo.algorithms.token_norm import set_layout, set_scales, zero_counts
 
 __all__ = ["gtpo_token_advantages"]
@@ -166,12 +167,7 @@ def _finish_rows(adv, mf, beta, gamma, lam_rows):
         adv.addcmul_(mf, gamma.to(_F32)[:, None])
     if lam_rows is not None:
         adv.mul_(lam_rows)
-    sg = torch.sign(adv)
-    sadv = adv.sum(-1)
-    sp = sg.sum(-1)
-    l1 = torch.linalg.vecdot(adv, sg)
-    sa = sg.abs_().sum(-1)
-    return torch.stack([sadv, l1, sp, sa], 1).to(_F64)
+    return advantage_row_sums(adv)
 
 
 def _batch_coefficients(entropy, mask, correct, eps, checker, device):
@@ -233,6 +229,10 @@ def _gtpo_chunked(entropy, response_mask, rewards, gid, num_groups, params, rewa
         out = torch.zeros((b, length), dtype=_F32, device=device)
         diag.update(_diagnostics(rs, rdiag, correct, gid, num_groups, base, sign, a1, a2, eps, 0.0))
         return out, diag
+    if params.weight_scope == "batch" and not group_scope:
+        adv, closed_diag = gtpo_batch_closed_form(entropy, mask, correct, base, gid, num_groups, lam, params, checker)
+        diag.update(closed_diag)
+        return adv, diag
     batch_coef = None
     if params.weight_scope == "batch":
         batch_coef = _batch_coefficients(entropy, mask, correct, eps, checker, device)

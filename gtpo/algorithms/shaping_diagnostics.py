@@ -12,12 +12,23 @@ import torch
 
 from gtpo.algorithms.group_ops import segment_sum
 
-__all__ = ["masked_mean", "group_outcome_fracs", "gtpo_diagnostics_from_rows"]
+__all__ = ["masked_mean", "group_outcome_fracs", "advantage_row_sums", "gtpo_diagnostics_from_rows"]
 
 
 def masked_mean(x: torch.Tensor, sel: torch.Tensor) -> float:
     n = int(sel.sum())
     return float(torch.where(sel, x, 0.0).sum()) / n if n else 0.0
+
+
+def advantage_row_sums(adv: torch.Tensor) -> torch.Tensor:
+    """``[R, 4]`` float64 per-row sums of ``adv [R, L]`` (0 on padding): sum, sum of ``|adv|``, sum of signs, and the
+    number of non-zero entries (the inputs of :func:`gtpo_diagnostics_from_rows`' advantage keys)."""
+    sg = torch.sign(adv)
+    sadv = adv.sum(-1)
+    sp = sg.sum(-1)
+    l1 = torch.linalg.vecdot(adv, sg)
+    sa = sg.abs_().sum(-1)
+    return torch.stack([sadv, l1, sp, sa], 1).to(torch.float64)
 
 
 def group_outcome_fracs(correct: torch.Tensor, nonempty: torch.Tensor, gid: torch.Tensor, num_groups: int):
