@@ -67,21 +67,21 @@ class _PolaritySums:
         self.base_pilot = base_pilot
 
     def add(self, v, mf, e):
-        """``v``, ``mf``: ``[R, L]`` float32; ``e``: ``[R]`` float32 base minus the pilot base (or None: all 0)."""
+        """``v`` (overwritten) and ``mf``: ``[R, L]`` float32; ``e``: ``[R]`` float32 base - pilot base, or None."""
         cnt = mf.sum(0)
+        torch.maximum(self.vmax, v.amax(0), out=self.vmax)
         if self.pilot is None:
             col = v.sum(0)
             overall = col.sum() / cnt.sum().clamp(min=1)
             self.pilot = torch.where(cnt > 0, col / cnt.clamp(min=1), overall)
-        u = torch.addcmul(v, mf, self.pilot[None, :], value=-1.0)
+        u = v.addcmul_(mf, self.pilot[None, :], value=-1.0)  # in place: v is not needed afterwards
         self.cnt += cnt.to(_F64)
         self.su += u.sum(0).to(_F64)
-        self.qu += torch.linalg.vecdot(u, u, dim=0).to(_F64)
         if e is not None:
             self.se += (e @ mf).to(_F64)
             self.qe += ((e * e) @ mf).to(_F64)
             self.ceu += (e @ u).to(_F64)
-        torch.maximum(self.vmax, v.amax(0), out=self.vmax)
+        self.qu += torch.linalg.vector_norm(u, 2, dim=0).to(_F64).square_()
 
     def moments(self, a1, a2, s, eps):
         """Closed-form polarity statistics (float64): ``dict`` of [L] columns and the totals ``n``, ``x1``, ``m2``."""
