@@ -50,28 +50,37 @@ class TokenChecker:
     def __init__(self, entropy, response_mask, tol):
         self.entropy, self.mask, self.tol = entropy, response_mask, tol
         self.mask_is_bool = response_mask.dtype == torch.bool
+        self.dirty = False  # some checked chunk needed the masked path (non-finite or negative values)
 
     def fail(self):
         check_token_values(self.entropy, self.mask, self.tol)
         raise ValueError("entropy / response_mask failed a consistency check")  # pragma: no cover
 
-    def masked_entropy(self, h, mf, lens, inplace=True):
+    def masked_entropy(self, h, mf, lens, inplace=True, checked=False):
         """``h`` masked to the valid tokens (in place if ``inplace``), negatives within tolerance clamped to 0.
 
+        ``checked=True``: these rows already passed this checker in an earlier pass; the checks are not repeated,
+        only their outcome is reused (multiply by the mask if no chunk needed the masked path, else select).
+
         Returns ``(hm, hsum, clamped)``: ``hsum`` the row sums before clamping (the reference's entropy
-        diagnostics), ``clamped`` whether any negative value was clamped.
+        diagnostics), ``clamped`` whether any negative value may have been clamped.
         """
         if h.numel() == 0:
             return h, h.sum(-1), False
-        checks = [*torch.aminmax(h)]
-        if not self.mask_is_bool:
-            checks += [*torch.aminmax(mf), (torch.linalg.vecdot(mf, mf) - lens).abs().max()]
-        vals = torch.stack(checks).tolist()
-        if not self.mask_is_bool and not (vals[2] >= 0.0 and vals[3] <= 1.0 and vals[4] == 0.0):
-            self.fail()
-        if vals[0] >= 0.0 and math.isfinite(vals[1]):
+        if checked and not self.dirty:
             hm = h.mul_(mf) if inplace else h * mf
             return hm, hm.sum(-1), False
+        if not checked:
+            checks = [*torch.aminmax(h)]
+            if not self.mask_is_bool:
+                checks += [*torch.aminmax(mf), (torch.linalg.vecdot(mf, mf) - lens).abs().max()]
+            vals = torch.stack(checks).tolist()
+            if not self.mask_is_bool and not (vals[2] >= 0.0 and vals[3] <= 1.0 and vals[4] == 0.0):
+                self.fail()
+            if vals[0] >= 0.0 and math.isfinite(vals[1]):
+                hm = h.mul_(mf) if inplace else h * mf
+                return hm, hm.sum(-1), False
+            self.dirty = True
         # padding may hold anything (NaN, inf, negatives): select instead of multiplying
         hm = torch.where(mf != 0, h, torch.zeros((), dtype=h.dtype, device=h.device))
         lo, hi = torch.aminmax(hm)

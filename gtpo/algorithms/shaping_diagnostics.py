@@ -23,11 +23,11 @@ def masked_mean(x: torch.Tensor, sel: torch.Tensor) -> float:
 def advantage_row_sums(adv: torch.Tensor) -> torch.Tensor:
     """``[R, 4]`` float64 per-row sums of ``adv [R, L]`` (0 on padding): sum, sum of ``|adv|``, sum of signs, and the
     number of non-zero entries (the inputs of :func:`gtpo_diagnostics_from_rows`' advantage keys)."""
-    # fused reductions, no [R, L] float temporaries: sum, L1 norm, count of non-zeros, count of positives
+    sg = torch.sign(adv)
     sadv = adv.sum(-1)
-    l1 = torch.linalg.vector_norm(adv, 1, dim=-1)
-    sa = torch.linalg.vector_norm(adv, 0, dim=-1)
-    sp = 2.0 * (adv > 0).sum(-1) - sa
+    sp = sg.sum(-1)
+    l1 = torch.linalg.vecdot(adv, sg)
+    sa = sg.abs_().sum(-1)
     return torch.stack([sadv, l1, sp, sa], 1).to(torch.float64)
 
 
