@@ -51,9 +51,7 @@ def _values(checker, entropy, mask, rows, negative, eps, checked=False):
     h = _rows_f32(entropy, rows)
     mf = _rows_f32(mask, rows)
     lens = mf.sum(-1)
-    v, hsum, clamped = checker.masked_entropy(h, mf, lens, checked=checked)
-    if clamped:
-        hsum = v.sum(-1)
+    v, hsum, _ = checker.masked_entropy(h, mf, lens, checked=checked)  # hsum before clamping, as the reference
     if negative:
         torch.div(mf, v.add_(eps), out=v)  # Eq. 5: 1/(H + eps) on valid tokens, 0 on padding
     return v, mf, lens, hsum

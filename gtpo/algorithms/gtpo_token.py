@@ -3,8 +3,10 @@
 :func:`gtpo_token_advantages` evaluates the shaped token rewards of :mod:`gtpo.algorithms.entropy_weights` and the
 normalisation of :mod:`gtpo.algorithms.token_norm` without materialising either in float64:
 
-- ``weight_scope="batch"`` (default, paper §4): one chunked pass over the rows first sums ``H`` over the batch's
-  correct tokens, ``1/(H+eps)`` over its incorrect tokens and the counts, per position (the denominators of
+- ``norm_scope = weight_scope = "batch"`` (the defaults, paper §2.2 and §4): closed forms in per-position sums, two
+  passes over ``[B, L]`` (:mod:`gtpo.algorithms.gtpo_closed_form`). The other combinations run chunk by chunk:
+- ``weight_scope="batch"`` with ``norm_scope="group"``: one chunked pass over the rows first sums ``H`` over the
+  batch's correct tokens, ``1/(H+eps)`` over its incorrect tokens and the counts, per position (the denominators of
   Eq. 3 / Eq. 5 and ``d_t`` / ``h_t``). ``"group"``: rows are ordered by group and processed in chunks of whole
   groups, the correct rows of a chunk first, so each group's per-position sums are complete inside its chunk.
 - Token arithmetic is float32; every mean, variance and sum over rows or sets is float64 over per-row partial sums
@@ -12,8 +14,8 @@ normalisation of :mod:`gtpo.algorithms.token_norm` without materialising either 
   which its shaped reward equals its set's mean (chunk-local estimate), so near-constant sets are measured to
   float32 resolution, which the zero-variance rule needs. The advantage of a valid token is
   ``beta_i * (w - k_i) + gamma_i``.
-- ``norm_scope="batch"`` (default) combines the per-row sums of all chunks exactly in float64, then rescales the
-  stored rows in a last chunked pass; ``"group"`` finishes each chunk at once.
+- ``norm_scope="batch"`` with ``weight_scope="group"`` combines the per-row sums of all chunks exactly in float64,
+  then rescales the stored rows in a last chunked pass; ``norm_scope="group"`` finishes each chunk at once.
 - ``conflict_mask`` multiplies the final advantages by GTPO-trajectory's conflict weights (arXiv 2508.03772, §6.2),
   polarity = correctness.
 
