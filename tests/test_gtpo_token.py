@@ -666,6 +666,7 @@ def test_conflict_mask_needs_responses():
         ({"conflict_mask": 1}, "conflict_mask"),
         ({"conflict_lam_pos": -2.0}, "conflict_lam_pos"),
         ({"conflict_lam_neg": -0.5}, "conflict_lam_neg"),
+        ({"compiled_kernels": 1}, "compiled_kernels"),
     ],
 )
 def test_params_validation(kwargs, field):

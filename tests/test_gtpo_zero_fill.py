@@ -206,3 +206,29 @@ def test_near_constant_set_is_measured_not_cancelled(scope):
     ref, _ = gtpo_reference(ent, mask, r, gid, ng, GTPOParams(zero_var_rtol=0.0, **kw))
     assert raw.abs().max() > 0.1  # rounding-sized spreads turned into sizeable advantages without the tolerance
     torch.testing.assert_close(raw, ref, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("norm_mode", ["zero_fill", "split"])
+def test_compiled_kernels_match_the_eager_path(monkeypatch, norm_mode):
+    """``compiled_kernels``: the torch.compile kernels of the batch-scope path against its eager evaluation (NaN
+    padding, clamped negative entropies, GROP-like varying bases, many chunks of uneven size, conflict weights)."""
+    monkeypatch.setattr(chunked_rows, "CPU_CHUNK_TOKENS", 40)
+    ent, mask, r, gid, ng = _random_batch(77, n_groups=7, L=9)
+    ent = torch.where(mask.bool() & (torch.rand(mask.shape, generator=torch.Generator().manual_seed(1)) < 0.05),
+                      torch.full_like(ent, -0.01), ent)  # fmt: skip
+    offset = torch.where(torch.arange(len(r)) % 3 == 0, -0.25, 0.0)
+    responses = torch.randint(0, 2, mask.shape, generator=torch.Generator().manual_seed(2)) * mask.long()
+    for conflict in (False, True):
+        kw = dict(norm_mode=norm_mode, conflict_mask=conflict)
+        eager, d_eager = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(**kw), offset, responses)
+        fused, d_fused = gtpo_token_advantages(
+            ent, mask, r, gid, ng, GTPOParams(compiled_kernels=True, **kw), offset, responses
+        )
+        torch.testing.assert_close(fused, eager, atol=1e-5, rtol=1e-5)
+        assert torch.count_nonzero(fused[~mask.bool()]) == 0
+        for key, value in d_eager.items():
+            assert d_fused[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    bad = ent.clone()
+    bad[mask.bool().nonzero()[5].tolist()] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        gtpo_token_advantages(bad, mask, r, gid, ng, GTPOParams(compiled_kernels=True))

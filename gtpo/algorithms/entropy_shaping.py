@@ -116,6 +116,8 @@ class GTPOParams:
         conflict_mask: multiply the final advantages by GTPO-trajectory's conflict weights (needs ``responses``).
         conflict_lam_pos: conflict-token weight of correct responses (paper B: 2).
         conflict_lam_neg: conflict-token weight of incorrect responses (paper B: 0).
+        compiled_kernels: evaluate the default batch-scope path with :func:`torch.compile` kernels (one fused kernel
+            per chunk and pass; a few seconds of compilation per process); the eager evaluation is the fallback.
     """
 
     alpha1: float = 1.0
@@ -132,6 +134,7 @@ class GTPOParams:
     conflict_mask: bool = False
     conflict_lam_pos: float = 2.0
     conflict_lam_neg: float = 0.0
+    compiled_kernels: bool = False
 
     def __post_init__(self) -> None:
         _check_real("alpha1", self.alpha1, lo=0.0)
@@ -150,6 +153,7 @@ class GTPOParams:
         _check_bool("conflict_mask", self.conflict_mask)
         _check_real("conflict_lam_pos", self.conflict_lam_pos, lo=0.0)
         _check_real("conflict_lam_neg", self.conflict_lam_neg, lo=0.0)
+        _check_bool("compiled_kernels", self.compiled_kernels)
 
 
 @dataclass(frozen=True)

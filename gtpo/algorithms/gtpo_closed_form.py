@@ -20,12 +20,18 @@ zero-variance rule needs. ``split``, ``joint`` and ``zero_fill`` sets combine ``
 (zero_fill: the other polarity's tokens enter as zeros). ``mean|x|`` is ``|sum x|`` for sign-consistent rows and is
 read token by token for the rare rows whose shaped rewards change sign (a base of the other sign than ``s``).
 
+``compiled_kernels=True`` runs each chunk of both passes as one :func:`torch.compile` kernel (gather, checks, Eq. 5,
+shift and all reductions fused; the first chunk of each polarity, which sets the pilots, and conflict-weighted
+chunks stay eager); the eager code is the fallback and the kernels are tested against it.
+
 The advantage of a valid token is ``beta_t * (v - p_t) + g_t + rho_i`` (``beta_t = s*a2*c_t/(std+eps)``,
 ``g_t`` the pilot's own advantage, ``rho_i = a1*(b_i - pilot base)/(std+eps)``): the large terms cancel in float64,
 not in float32.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -57,6 +63,46 @@ def _values(checker, entropy, mask, rows, negative, eps, checked=False):
     return v, mf, lens, hsum
 
 
+def _sum_kernel(entropy, mask, rows, pilot, e, negative: bool, eps: float):
+    """Pass 1 of one chunk as a pure function (the body :func:`torch.compile` fuses; ``compiled_kernels``).
+
+    Returns the per-position sums of :class:`_PolaritySums` for this chunk (float32), the row sums
+    ``lens`` / ``hsum`` and the check values ``(h_lo, h_hi, m_lo, m_hi, m_nonbinary)`` over the chunk.
+    """
+    h = entropy.index_select(0, rows).to(torch.float32)
+    m = mask.index_select(0, rows).to(torch.float32)
+    hv = torch.where(m != 0, h, torch.zeros_like(h))
+    checks = torch.stack([hv.amin(), hv.amax(), m.amin(), m.amax(), (m - m * m).sum()])
+    hsum = hv.sum(-1)
+    hm = hv.clamp_min(0.0)
+    v = m / (hm + eps) if negative else hm
+    u = v - m * pilot[None, :]
+    em = e[:, None] * m
+    cols = torch.stack([m.sum(0), u.sum(0), (u * u).sum(0), em.sum(0), (em * e[:, None]).sum(0), (em * u).sum(0)])
+    return cols, v.amax(0), m.sum(-1), hsum, checks
+
+
+def _write_kernel(entropy, mask, rows, pilot, beta_t, g_t, rho, negative: bool, eps: float):
+    """Pass 2 of one chunk as a pure function: the advantages ``[R, L]`` and their row sums (``compiled_kernels``)."""
+    h = entropy.index_select(0, rows).to(torch.float32)
+    m = mask.index_select(0, rows).to(torch.float32)
+    hm = torch.where(m != 0, h, torch.zeros_like(h)).clamp_min(0.0)
+    v = m / (hm + eps) if negative else hm
+    z = (v - m * pilot[None, :]) * beta_t[None, :] + m * (g_t[None, :] + rho[:, None])
+    sg = torch.sign(z)
+    return z, torch.stack([z.sum(-1), (z * sg).sum(-1), sg.sum(-1), sg.abs().sum(-1)], 1)
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn):
+    """``torch.compile(fn, dynamic=True)``, built once per process."""
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn.__name__]
+
+
 class _PolaritySums:
     """Per-position sums of one polarity, shifted by pilots (see the module docstring)."""
 
@@ -84,6 +130,17 @@ class _PolaritySums:
             self.qe += ((e * e) @ mf).to(_F64)
             self.ceu += (e @ u).to(_F64)
         self.qu += (ones @ u.mul_(u)).to(_F64)
+
+    def add_columns(self, cols, vmax):
+        """Fold one chunk's :func:`_sum_kernel` columns in (the pilot must already be set)."""
+        cols = cols.to(_F64)
+        self.cnt += cols[0]
+        self.su += cols[1]
+        self.qu += cols[2]
+        self.se += cols[3]
+        self.qe += cols[4]
+        self.ceu += cols[5]
+        torch.maximum(self.vmax, vmax, out=self.vmax)
 
     def moments(self, a1, a2, s, eps):
         """Closed-form polarity statistics (float64): ``dict`` of [L] columns and the totals ``n``, ``x1``, ``m2``."""
@@ -138,6 +195,9 @@ def gtpo_batch_closed_form(entropy, mask, correct, base, gid, num_groups, lam, p
     b, length = entropy.shape
     a1, a2, eps = float(params.alpha1), float(params.alpha2), float(params.eps)
     step = chunk_rows(device, length)
+    fused = bool(params.compiled_kernels)
+    if fused:
+        checker.dirty = True  # the kernels never look at padding; an eager fallback chunk must select, not multiply
     order = torch.argsort((~correct).to(torch.int8), stable=True)
     n_pos = int(correct.sum())
     spans = [(0, n_pos, 0), (n_pos, b, 1)]
@@ -154,9 +214,19 @@ def gtpo_batch_closed_form(entropy, mask, correct, base, gid, num_groups, lam, p
         sums[q] = _PolaritySums(length, pilot_base, device)
         for r0 in range(lo, hi, step):
             rows = order[r0 : min(hi, r0 + step)]
-            v, mf, ln, hs = _values(checker, entropy, mask, rows, q == 1, eps)
+            e = e_all[r0 - lo : r0 - lo + rows.numel()]
+            if fused and sums[q].pilot is not None:
+                cols, vmax, ln, hs, checks = _compiled(_sum_kernel)(entropy, mask, rows, sums[q].pilot, e, q == 1, eps)
+                h_lo, h_hi, m_lo, m_hi, m_bad = checks.tolist()
+                if not (math.isfinite(h_lo) and math.isfinite(h_hi)) or h_lo < -checker.tol:
+                    checker.fail()
+                if not (m_lo >= 0.0 and m_hi <= 1.0 and m_bad == 0.0):
+                    checker.fail()
+                sums[q].add_columns(cols, vmax)
+            else:
+                v, mf, ln, hs = _values(checker, entropy, mask, rows, q == 1, eps)
+                sums[q].add(v, mf, e if varying else None)
             lens[rows], hsum[rows] = ln.to(_F64), hs.to(_F64)
-            sums[q].add(v, mf, e_all[r0 - lo : r0 - lo + rows.numel()] if varying else None)
     st = {q: sums[q].moments(a1, a2, 1.0 if q == 0 else -1.0, eps) for q in (0, 1)}
 
     # mean|x| of each polarity's own tokens: |sum x| over its sign-consistent rows (s * x >= 0 there), token by
@@ -193,12 +263,18 @@ def gtpo_batch_closed_form(entropy, mask, correct, base, gid, num_groups, lam, p
         c, pilot = st[q]["c"], st[q]["pilot"]
         beta_t = (s * a2 * inv * c).to(_F32)
         g_t = (inv * (a1 * sums[q].base_pilot + s * a2 * c * pilot - mean)).to(_F32)
+        pilot32 = st[q]["pilot"].to(_F32)
         for r0 in range(lo, hi, step):
             rows = order[r0 : min(hi, r0 + step)]
-            v, mf, _, _ = _values(checker, entropy, mask, rows, q == 1, eps, checked=True)
-            z = torch.addcmul(v, mf, st[q]["pilot"].to(_F32)[None, :], value=-1.0, out=v)
-            z.mul_(beta_t[None, :]).addcmul_(mf, g_t[None, :])
             rho = (a1 * inv * (base[rows] - sums[q].base_pilot)).to(_F32)
+            if fused and lam is None:
+                z, row_sums = _compiled(_write_kernel)(entropy, mask, rows, pilot32, beta_t, g_t, rho, q == 1, eps)
+                rdiag[rows] = row_sums.to(_F64)
+                out.index_copy_(0, rows, z)
+                continue
+            v, mf, _, _ = _values(checker, entropy, mask, rows, q == 1, eps, checked=True)
+            z = torch.addcmul(v, mf, pilot32[None, :], value=-1.0, out=v)
+            z.mul_(beta_t[None, :]).addcmul_(mf, g_t[None, :])
             if bool((rho != 0).any()):
                 z.addcmul_(mf, rho[:, None])
             if lam is not None:
