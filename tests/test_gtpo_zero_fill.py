@@ -232,3 +232,19 @@ def test_compiled_kernels_match_the_eager_path(monkeypatch, norm_mode):
     bad[mask.bool().nonzero()[5].tolist()] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         gtpo_token_advantages(bad, mask, r, gid, ng, GTPOParams(compiled_kernels=True))
+
+
+def test_compiled_kernels_fall_back_to_eager_when_compilation_fails(monkeypatch):
+    from gtpo.algorithms import gtpo_closed_form
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(gtpo_closed_form, "_COMPILED", {})
+    monkeypatch.setattr(gtpo_closed_form.torch, "compile", broken)
+    monkeypatch.setattr(chunked_rows, "CPU_CHUNK_TOKENS", 40)
+    ent, mask, r, gid, ng = _random_batch(78)
+    eager, _ = gtpo_token_advantages(ent, mask, r, gid, ng)
+    with pytest.warns(UserWarning, match="torch.compile failed"):
+        fused, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(compiled_kernels=True))
+    torch.testing.assert_close(fused, eager, atol=1e-6, rtol=1e-6)

@@ -32,6 +32,7 @@ not in float32.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -96,11 +97,21 @@ def _write_kernel(entropy, mask, rows, pilot, beta_t, g_t, rho, negative: bool, 
 _COMPILED: dict = {}
 
 
-def _compiled(fn):
-    """``torch.compile(fn, dynamic=True)``, built once per process."""
-    if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True)
-    return _COMPILED[fn.__name__]
+def _run_fused(fn, *args):
+    """``torch.compile(fn, dynamic=True)`` (built once per process) on ``args``, or None when compilation is not
+    available here (no C++ compiler, unsupported backend): then a warning is issued once and the eager code runs."""
+    if _COMPILED.get("broken"):
+        return None
+    try:
+        if fn.__name__ not in _COMPILED:
+            _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True)
+        return _COMPILED[fn.__name__](*args)
+    except Exception as err:  # noqa: BLE001 - any compiler failure falls back to the eager evaluation
+        _COMPILED["broken"] = True
+        warnings.warn(
+            f"compiled_kernels: torch.compile failed ({type(err).__name__}: {err}); using the eager path", stacklevel=2
+        )
+        return None
 
 
 class _PolaritySums:
@@ -215,8 +226,11 @@ def gtpo_batch_closed_form(entropy, mask, correct, base, gid, num_groups, lam, p
         for r0 in range(lo, hi, step):
             rows = order[r0 : min(hi, r0 + step)]
             e = e_all[r0 - lo : r0 - lo + rows.numel()]
+            res = None
             if fused and sums[q].pilot is not None:
-                cols, vmax, ln, hs, checks = _compiled(_sum_kernel)(entropy, mask, rows, sums[q].pilot, e, q == 1, eps)
+                res = _run_fused(_sum_kernel, entropy, mask, rows, sums[q].pilot, e, q == 1, eps)
+            if res is not None:
+                cols, vmax, ln, hs, checks = res
                 h_lo, h_hi, m_lo, m_hi, m_bad = checks.tolist()
                 if not (math.isfinite(h_lo) and math.isfinite(h_hi)) or h_lo < -checker.tol:
                     checker.fail()
@@ -267,8 +281,11 @@ def gtpo_batch_closed_form(entropy, mask, correct, base, gid, num_groups, lam, p
         for r0 in range(lo, hi, step):
             rows = order[r0 : min(hi, r0 + step)]
             rho = (a1 * inv * (base[rows] - sums[q].base_pilot)).to(_F32)
+            res = None
             if fused and lam is None:
-                z, row_sums = _compiled(_write_kernel)(entropy, mask, rows, pilot32, beta_t, g_t, rho, q == 1, eps)
+                res = _run_fused(_write_kernel, entropy, mask, rows, pilot32, beta_t, g_t, rho, q == 1, eps)
+            if res is not None:
+                z, row_sums = res
                 rdiag[rows] = row_sums.to(_F64)
                 out.index_copy_(0, rows, z)
                 continue
