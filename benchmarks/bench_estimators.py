@@ -4,7 +4,11 @@ Cases (each called through the same entry point the trainer uses, diagnostics in
 
 * ``grpo`` / ``grpo_vec``   verl 0.9.1 ``compute_grpo_outcome_advantage`` /
   ``compute_grpo_vectorized_outcome_advantage``
-* ``gtpo_split`` / ``gtpo_joint``  ``compute_gtpo_advantage`` (``algorithm.gtpo.norm_mode`` split / joint)
+* ``gtpo_zero_fill``        ``compute_gtpo_advantage`` with the recipe's defaults (paper A: ``norm_mode=zero_fill``,
+  ``norm_scope=batch``, ``weight_scope=batch``)
+* ``gtpo_compiled``         the same with ``algorithm.gtpo.compiled_kernels=true`` (torch.compile kernels; the
+  warm-up call compiles)
+* ``gtpo_split`` / ``gtpo_joint``  the same with ``algorithm.gtpo.norm_mode`` split / joint (batch scopes)
 * ``grpo_s``                ``compute_grpo_s_advantage``
 * ``gtpo_traj``             ``compute_gtpo_traj_advantage`` (paper variant, conflict tokens + entropy filter)
 * ``conflict``              ``conflict_weights`` alone (GTPO-trajectory's conflict-token detection)
@@ -51,7 +55,9 @@ QUICK_SIZES = [(256, 1024), (1024, 4096)]
 CASES = {
     "grpo": ("verl grpo (loop)", 16),  # rewards, mask in; advantages, returns out
     "grpo_vec": ("verl grpo_vectorized", 16),
-    "gtpo_split": ("gtpo, norm_mode=split", 20),  # + entropy in
+    "gtpo_zero_fill": ("gtpo, defaults (zero_fill, batch scopes)", 20),  # + entropy in
+    "gtpo_compiled": ("gtpo, defaults, compiled_kernels=true", 20),
+    "gtpo_split": ("gtpo, norm_mode=split", 20),
     "gtpo_joint": ("gtpo, norm_mode=joint", 20),
     "grpo_s": ("grpo_s", 20),
     "gtpo_traj": ("gtpo_traj (paper)", 28),  # + token ids (int64) in
@@ -129,7 +135,8 @@ def make_call(case: str, inp: dict):
     if case.startswith("gtpo_") and case != "gtpo_traj":
         from gtpo.verl_plugin.entropy_shaping import compute_gtpo_advantage
 
-        cfg = OmegaConf.create({"gtpo": {"norm_mode": case.split("_")[1]}})
+        knobs = {"compiled_kernels": True} if case == "gtpo_compiled" else {"norm_mode": case[len("gtpo_") :]}
+        cfg = OmegaConf.create({"gtpo": knobs})
         return lambda: compute_gtpo_advantage(
             inp["tlr"], inp["mask"], inp["index"], cfg, entropy=inp["entropy"], metrics={}
         )

@@ -2,7 +2,7 @@
 
 Runs ``python -m recipe.gtpo.main_gtpo backend=cpu_tiny`` twice with the CPU demo's settings (8 prompts x 16
 responses, tiny Qwen2 model, same seed), once with ``algorithm.adv_estimator=grpo`` and once with ``=gtpo``
-(``algorithm.gtpo.norm_mode=joint`` as in the demo; nothing else differs), and reads the per-step timings
+(the recipe's defaults, as in the demo; nothing else differs), and reads the per-step timings
 ``timing_s/step`` and ``timing_s/adv`` from verl's file logger. The first ``--warmup`` steps are left out.
 
 Reported: median step time of each run and their ratio, the median advantage time of each run, and the overhead
@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import _common as C  # noqa: E402
 
-ESTIMATOR_SETTINGS = {"grpo": (), "gtpo": ("++algorithm.gtpo.norm_mode=joint",)}
+ESTIMATOR_SETTINGS = {"grpo": (), "gtpo": ()}
 
 
 def other_trainers() -> list[str]:

@@ -193,7 +193,9 @@ def test_overrides_compose_with_the_recipe(assets):
         os.chdir(old)
     validate_recipe_config(cfg)
     assert cfg.algorithm.adv_estimator == "gtpo"
-    assert cfg.algorithm.gtpo.norm_mode == "joint"
+    # no normalisation override: the demo runs the paper's Eq. 6 (zero_fill, batch scope) and GROP of the preset
+    assert cfg.algorithm.gtpo.norm_mode == "zero_fill" and cfg.algorithm.gtpo.norm_scope == "batch"
+    assert cfg.algorithm.gtpo.weight_scope == "batch" and cfg.algorithm.grop.enable is True
     assert cfg.actor_rollout_ref.model.tokenizer_path == assets.tokenizer_dir
     assert cfg.actor_rollout_ref.rollout.name == "hf"
     assert cfg.actor_rollout_ref.rollout.n == 16 and cfg.data.train_batch_size == 8

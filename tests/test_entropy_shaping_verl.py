@@ -18,8 +18,10 @@ import torch
 from omegaconf import OmegaConf
 
 import gtpo.verl_plugin.entropy_shaping as plugin
-from gtpo.algorithms.entropy_shaping import GRPOSParams, GTPOParams, grpo_s_advantages, gtpo_token_advantages
+from gtpo.algorithms.entropy_shaping import GRPOSParams, GTPOParams
 from gtpo.algorithms.group_ops import group_ids
+from gtpo.algorithms.grpo_s import grpo_s_advantages
+from gtpo.algorithms.gtpo_token import gtpo_token_advantages
 from gtpo.algorithms.length_penalty import grop_penalty
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,7 +183,7 @@ def test_grop_enabled_adds_penalty_to_the_base(name):
     pen = grop_penalty(mask.sum(-1), r > 0, gid, ng, 0.75)
     assert bool((pen < 0).any())
     if name == "gtpo":
-        expected, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(norm_mode="split"), reward_offset=pen)
+        expected, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(), reward_offset=pen)
     else:
         expected, _ = grpo_s_advantages(ent, mask, r, gid, ng, GRPOSParams(), reward_offset=pen)
     torch.testing.assert_close(adv, expected)
@@ -246,12 +248,17 @@ def actor_config(composed):
 
 
 def test_presets_compose_into_verl_dataclasses(composed):
+    from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
 
     for method, loss_mode, agg in (("gtpo", "vanilla", "token-mean"), ("grpo_s", "grpo_s", "seq-mean-token-mean")):
         cfg = composed[method]
         actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-        algo = omega_conf_to_dataclass(cfg.algorithm)
+        # GROP on in both presets (paper §3.1); its block is the recipe's own (declared in gtpo_trainer.yaml), not
+        # a field of verl's AlgoConfig
+        assert cfg.algorithm.grop.enable is True
+        algo_node = OmegaConf.create({k: v for k, v in cfg.algorithm.items() if k != "grop"})
+        algo = omega_conf_to_dataclass(algo_node)
         assert algo.adv_estimator == method
         assert actor.policy_loss.loss_mode == loss_mode and actor.loss_agg_mode == agg
         assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.2, 0.28)

@@ -13,14 +13,18 @@ import torch
 from gtpo.algorithms.length_penalty import GROPParams, grop_knee_and_target, grop_penalty
 
 
-def _one_group(lengths, correct, gamma1=0.75):
+def _one_group(lengths, correct, gamma1=0.75, **knobs):
     n = len(lengths)
     return grop_penalty(
-        torch.tensor(lengths, dtype=torch.float32), torch.tensor(correct), torch.zeros(n, dtype=torch.long), 1, gamma1
+        torch.tensor(lengths, dtype=torch.float32),
+        torch.tensor(correct),
+        torch.zeros(n, dtype=torch.long),
+        1,
+        params=GROPParams(gamma1=gamma1, **knobs),
     )
 
 
-def _reference(lengths, correct, labels, gamma1):
+def _reference(lengths, correct, labels, gamma1, medium_penalise_incorrect=False):
     """Per-group Python transcription of App. D (docs/ALGORITHMS.md §5 pseudo-code)."""
     out = [0.0] * len(lengths)
     for g in set(labels):
@@ -42,7 +46,12 @@ def _reference(lengths, correct, labels, gamma1):
             continue
         else:
             L = knee(ell)
-            target = c if n > m else [not ci for ci in c]
+            if n > m:
+                target = c
+            elif medium_penalise_incorrect:
+                target = [not ci for ci in c]
+            else:
+                continue
         for k, i in enumerate(rows):
             if not target[k]:
                 continue
@@ -74,10 +83,28 @@ def test_medium_group_more_correct_penalises_correct():
     torch.testing.assert_close(pen, torch.tensor([0.0, -0.5 * 20 / 30, 0.0], dtype=torch.float64))
 
 
-def test_medium_group_not_more_correct_penalises_incorrect():
-    # 2 of 4 correct (n == m): penalise the incorrect ones; knee over [10, 20, 30, 60] = max(35, 30) = 35
-    pen = _one_group([10, 20, 30, 60], [False, True, True, False])
+def test_medium_group_not_more_correct_penalises_incorrect_only_as_option():
+    # 2 of 4 correct (n == m): the paper punishes nothing (App. D: "if n > m" only)
+    lengths, correct = [10, 20, 30, 60], [False, True, True, False]
+    assert torch.count_nonzero(_one_group(lengths, correct)) == 0
+    # the option penalises the incorrect ones; knee over [10, 20, 30, 60] = max(35, 30) = 35
+    pen = _one_group(lengths, correct, medium_penalise_incorrect=True)
     torch.testing.assert_close(pen, torch.tensor([0.0, 0.0, 0.0, -0.5 * 25 / 35], dtype=torch.float64))
+    # the same group with n > m penalises its long correct response under either setting
+    for option in (False, True):
+        pen = _one_group([10, 20, 60, 30], [False, True, True, True], medium_penalise_incorrect=option, gamma1=0.8)
+        torch.testing.assert_close(pen, torch.tensor([0.0, 0.0, -0.5 * 25 / 35, 0.0], dtype=torch.float64))
+
+
+def test_hard_group_dapo_option():
+    # 1 of 4 correct (hard): none by default; DAPO's soft punishment with L_max = 100, L_cache = 20 under "dapo"
+    lengths, correct = [50, 85, 100, 130], [True, False, False, False]
+    assert torch.count_nonzero(_one_group(lengths, correct)) == 0
+    pen = _one_group(lengths, correct, hard_mode="dapo", dapo_max_length=100, dapo_buffer_length=20)
+    torch.testing.assert_close(pen, torch.tensor([0.0, -5 / 20, -1.0, -1.0], dtype=torch.float64))
+    # an easy group is untouched by the hard-group option
+    easy = _one_group([10, 20, 30, 130], [True] * 4, hard_mode="dapo", dapo_max_length=100, dapo_buffer_length=20)
+    torch.testing.assert_close(easy, _one_group([10, 20, 30, 130], [True] * 4))
 
 
 def test_knee_at_least_one_and_boundaries():
@@ -105,7 +132,7 @@ def test_minus_half_branch():
 def test_gamma_changes_case():
     # 1 of 3 correct: hard under gamma1 = 0.6 (1/3 <= 0.4), medium under gamma1 = 0.75 (n < m: incorrect penalised)
     assert torch.count_nonzero(_one_group([100, 1, 1], [True, False, False], gamma1=0.6)) == 0
-    pen = _one_group([100, 1, 80], [True, False, False], gamma1=0.75)  # frac 1/3 > 0.25 -> medium; knee max(50.5, 60.3)
+    pen = _one_group([100, 1, 80], [True, False, False], gamma1=0.75, medium_penalise_incorrect=True)  # medium
     knee = max((1 + 100) / 2, 181 / 3)
     torch.testing.assert_close(pen, torch.tensor([0.0, 0.0, -0.5 * (80 - knee) / knee], dtype=torch.float64))
 
@@ -123,8 +150,12 @@ def test_vectorised_matches_loop_reference(seed):
     rng.shuffle(order)
     lengths, correct, labels = ([x[i] for i in order] for x in (lengths, correct, labels))
     gamma1 = [0.75, 0.5, 0.6, 1.0][seed % 4]
-    pen = grop_penalty(torch.tensor(lengths), torch.tensor(correct), torch.tensor(labels, dtype=torch.long), 8, gamma1)
-    torch.testing.assert_close(pen, _reference(lengths, correct, labels, gamma1), atol=1e-12, rtol=0)
+    option = seed % 2 == 1
+    p = GROPParams(gamma1=gamma1, medium_penalise_incorrect=option)
+    pen = grop_penalty(
+        torch.tensor(lengths), torch.tensor(correct), torch.tensor(labels, dtype=torch.long), 8, params=p
+    )
+    torch.testing.assert_close(pen, _reference(lengths, correct, labels, gamma1, option), atol=1e-12, rtol=0)
     assert bool((pen <= 0).all()) and bool((pen >= -0.5).all())
 
 
@@ -138,7 +169,16 @@ def test_gamma_half_frac_half_is_easy():
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [({"gamma1": 0.4}, "gamma1"), ({"gamma1": 1.5}, "gamma1"), ({"gamma1": "x"}, "gamma1"), ({"enable": 1}, "enable")],
+    [
+        ({"gamma1": 0.4}, "gamma1"),
+        ({"gamma1": 1.5}, "gamma1"),
+        ({"gamma1": "x"}, "gamma1"),
+        ({"enable": 1}, "enable"),
+        ({"medium_penalise_incorrect": 1}, "medium_penalise_incorrect"),
+        ({"hard_mode": "soft"}, "hard_mode"),
+        ({"dapo_max_length": 0}, "dapo_max_length"),
+        ({"dapo_buffer_length": 4096, "dapo_max_length": 4096}, "dapo_buffer_length"),
+    ],
 )
 def test_params_validation(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}="):

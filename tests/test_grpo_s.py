@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from gtpo.algorithms.entropy_shaping import (
-    GRPOSParams,
-    grpo_s_advantages,
-    grpo_s_sequence_rewards,
-    sequence_entropy,
-)
+from gtpo.algorithms.entropy_shaping import GRPOSParams
 from gtpo.algorithms.group_ops import group_ids
+from gtpo.algorithms.grpo_s import grpo_s_advantages, grpo_s_sequence_rewards, sequence_entropy
 from gtpo.algorithms.losses import grpo_s_loss_matrix, sequence_ratio
+
+
+def _joint(**kwargs) -> GRPOSParams:
+    """The signed-reward (joint) normalisation, the recipe's reading before paper A's §2.3 was read."""
+    return GRPOSParams(**{"norm_mode": "joint", **kwargs})
 
 
 def _batch(lengths, rewards, groups, L=None, seed=0, token_entropy=None):
@@ -85,13 +86,21 @@ def _loop_reference(ent, mask, rewards, groups, p: GRPOSParams, offset=None):
                 shaped[b] = p.beta1 * base - p.beta2 * (1.0 / (hbar[b] + p.eps)) / (si + p.eps) * len(N)
         if len(rows) < 2:
             continue
-        vals = [shaped[b] for b in rows]
-        mu = sum(vals) / len(vals)
-        sd = math.sqrt(sum((v - mu) ** 2 for v in vals) / (len(vals) - (1 if p.std == "unbiased" else 0)))
-        if sd <= p.zero_var_rtol * sum(abs(v) for v in vals) / len(vals):
-            continue
-        for b in rows:
-            adv[b] = (shaped[b] - mu) / (sd + p.eps)
+        if p.norm_mode == "zero_fill":
+            # Eq. 9: r^+ is 0 on the incorrect responses, r^- on the correct ones; each field over the G responses
+            fields = [
+                ([shaped[b] if correct[b] else 0.0 for b in rows], P),
+                ([0.0 if correct[b] else shaped[b] for b in rows], N),
+            ]
+        else:
+            fields = [([shaped[b] for b in rows], rows)]
+        for vals, takers in fields:
+            mu = sum(vals) / len(vals)
+            sd = math.sqrt(sum((v - mu) ** 2 for v in vals) / (len(vals) - (1 if p.std == "unbiased" else 0)))
+            if sd <= p.zero_var_rtol * sum(abs(v) for v in vals) / len(vals):
+                continue
+            for b in takers:
+                adv[b] = (shaped[b] - mu) / (sd + p.eps)
     return torch.tensor(shaped, dtype=torch.float64), torch.tensor(adv, dtype=torch.float64)
 
 
@@ -110,11 +119,29 @@ def test_worked_example_by_hand():
     shaped = grpo_s_sequence_rewards(hbar, r, gid, 1)
     # 1 + 0.1 * 3/4 * 2 = 1.15; 1 + 0.1 * 1/4 * 2 = 1.05; -1 - 0.1 * (1/2)/(1) * 2 = -1.1
     torch.testing.assert_close(shaped, torch.tensor([1.15, 1.05, -1.1, -1.1], dtype=torch.float64), atol=1e-6, rtol=0)
-    adv, _ = grpo_s_advantages(ent, mask, r, gid, 1)
+    adv, _ = grpo_s_advantages(ent, mask, r, gid, 1, _joint())
     vals = [1.15, 1.05, -1.1, -1.1]
     sd = math.sqrt(sum(v * v for v in vals) / 3)  # mean is 0
     expected = torch.tensor([v / (sd + 1e-6) for v in vals])[:, None] * mask
     torch.testing.assert_close(adv, expected, atol=1e-5, rtol=0)
+
+
+def test_zero_fill_worked_example_by_hand():
+    """Eq. 9 with r^- = 0 on correct and r^+ = 0 on incorrect responses, each field over the group's G = 4."""
+    ent = torch.tensor([[3.0, 3, 3], [1.0, 1, 0], [2.0, 2, 2], [2.0, 0, 0]])
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    r, gid = torch.tensor([1.0, 1.0, -1.0, -1.0]), torch.zeros(4, dtype=torch.long)
+    adv, _ = grpo_s_advantages(ent, mask, r, gid, 1)
+    assert GRPOSParams().norm_mode == "zero_fill"
+    # fields: r^+ = [1.15, 1.05, 0, 0] (mean 0.55), r^- = [0, 0, -1.1, -1.1] (mean -0.55); unbiased std over G = 4
+    sd_pos = math.sqrt((0.6**2 + 0.5**2 + 2 * 0.55**2) / 3)
+    sd_neg = math.sqrt(4 * 0.55**2 / 3)
+    expected = torch.tensor(
+        [0.6 / (sd_pos + 1e-6), 0.5 / (sd_pos + 1e-6), -0.55 / (sd_neg + 1e-6), -0.55 / (sd_neg + 1e-6)]
+    )
+    torch.testing.assert_close(adv, expected[:, None] * mask, atol=1e-5, rtol=0)
+    joint, _ = grpo_s_advantages(ent, mask, r, gid, 1, _joint())
+    assert (joint - adv).abs().max() > 0.01  # the two modes differ once the entropy term varies
 
 
 def test_sequence_entropy_is_masked_mean_and_ignores_padding():
@@ -136,7 +163,7 @@ def test_a2_t1_conservation(seed):
     n = torch.zeros(ng, dtype=torch.float64).index_add_(0, gid, correct.double())
     m = torch.zeros(ng, dtype=torch.float64).index_add_(0, gid, (~correct).double())
     for b1, b2 in [(0.9, 0.1), (1.0, 0.1), (0.3, 0.7)]:
-        shaped = grpo_s_sequence_rewards(hbar, r, gid, ng, GRPOSParams(beta1=b1, beta2=b2))
+        shaped = grpo_s_sequence_rewards(hbar, r, gid, ng, _joint(beta1=b1, beta2=b2))
         s_pos = torch.zeros(ng, dtype=torch.float64).index_add_(0, gid, torch.where(correct, shaped, 0.0))
         s_neg = torch.zeros(ng, dtype=torch.float64).index_add_(0, gid, torch.where(~correct, shaped, 0.0))
         torch.testing.assert_close(s_pos, n * (b1 + b2), atol=1e-5, rtol=0)
@@ -151,12 +178,13 @@ def test_a2_t1_conservation(seed):
 
 @pytest.mark.parametrize("reward_kind", ["pm1", "01"])
 @pytest.mark.parametrize("case", ["uniform", "beta2_zero"])
-def test_a2_t2_identical_to_verl_grpo(reward_kind, case):
+@pytest.mark.parametrize("norm_mode", ["joint", "zero_fill"])
+def test_a2_t2_identical_to_verl_grpo(reward_kind, case, norm_mode):
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
     lengths, rewards, groups = _random_groups(3, min_g=2, reward_kind=reward_kind, empty_p=0.0)
     ent, mask, r, gid, ng = _batch(lengths, rewards, groups, token_entropy=0.8 if case == "uniform" else None)
-    p = GRPOSParams(beta2=0.0) if case == "beta2_zero" else GRPOSParams()
+    p = GRPOSParams(beta2=0.0 if case == "beta2_zero" else 0.1, norm_mode=norm_mode)
     adv, _ = grpo_s_advantages(ent, mask, r, gid, ng, p)
     L = mask.shape[1]
     expected, _ = compute_grpo_outcome_advantage(_tlr(lengths, r, L), mask, np.asarray(groups, dtype=object))
@@ -192,7 +220,7 @@ def test_a2_t3_sign_with_small_beta2(seed):
 def test_a2_t3_sign_can_flip_with_large_beta2():
     ent = torch.tensor([[0.001], [10.0], [1.0]])
     r = torch.tensor([1.0, 1.0, -1.0])
-    adv, _ = grpo_s_advantages(ent, torch.ones(3, 1), r, torch.zeros(3, dtype=torch.long), 1, GRPOSParams(beta2=5.0))
+    adv, _ = grpo_s_advantages(ent, torch.ones(3, 1), r, torch.zeros(3, dtype=torch.long), 1, _joint(beta2=5.0))
     assert adv[0, 0] < 0  # a correct response below its group mean: the condition of A2-T3 matters
 
 
@@ -201,10 +229,12 @@ def test_a2_t3_sign_can_flip_with_large_beta2():
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_vectorised_matches_loop_reference(seed):
+@pytest.mark.parametrize("norm_mode", ["joint", "zero_fill"])
+def test_vectorised_matches_loop_reference(seed, norm_mode):
     lengths, rewards, groups = _random_groups(200 + seed, reward_kind="01" if seed % 2 else "pm1")
     ent, mask, r, gid, ng = _batch(lengths, rewards, groups, seed=seed)
-    p = GRPOSParams(beta2=0.1 + 0.3 * seed, std="population" if seed % 3 == 0 else "unbiased")
+    std = "population" if seed % 3 == 0 else "unbiased"
+    p = GRPOSParams(beta2=0.1 + 0.3 * seed, std=std, norm_mode=norm_mode)
     offset = -0.5 * torch.rand(len(r), generator=torch.Generator().manual_seed(seed)) if seed % 2 else None
     shaped_ref, adv_ref = _loop_reference(ent, mask, r, gid, p, offset)
     nonempty = mask.bool().any(-1)
@@ -289,7 +319,7 @@ def test_padding_gets_nothing_and_diag_keys():
 )
 def test_params_validation(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}="):
-        GRPOSParams(**kwargs)
+        _joint(**kwargs)
 
 
 @pytest.mark.parametrize(
@@ -408,6 +438,15 @@ def test_loss_padding_gets_no_gradient_even_with_nan():
     assert torch.isfinite(loss_mat).all()
     loss_mat.sum().backward()
     assert torch.count_nonzero(logp.grad[~mask.bool()]) == 0 and torch.isfinite(logp.grad).all()
+
+
+def test_sequence_ratio_clamps_the_token_log_ratio():
+    """A token at log-ratio +-100 counts as exp(+-20) (the numerical guard), not as inf / 0."""
+    old = torch.zeros(2, 2, dtype=torch.float64)
+    logp = torch.tensor([[100.0, 0.0], [-100.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    w = sequence_ratio(logp, old, mask)
+    torch.testing.assert_close(w, torch.tensor([(math.exp(20.0) + 1.0) / 2, math.exp(-20.0)], dtype=torch.float64))
 
 
 def test_loss_matrix_bad_inputs():

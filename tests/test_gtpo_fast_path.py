@@ -1,4 +1,4 @@
-"""The chunked GTPO evaluation (gtpo/algorithms/_gtpo_fast.py) against the readable float64 reference.
+"""The chunked GTPO estimator (gtpo/algorithms/gtpo_token.py) against the float64 reference (tests/gtpo_reference.py).
 
     .venv/bin/python -m pytest -q tests/test_gtpo_fast_path.py
 
@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gtpo.algorithms import _gtpo_fast
-from gtpo.algorithms.entropy_shaping import GTPOParams, _gtpo_token_advantages_reference, gtpo_token_advantages
+from gtpo.algorithms import chunked_rows
+from gtpo.algorithms.entropy_shaping import GTPOParams
+from gtpo.algorithms.gtpo_token import gtpo_token_advantages
+from tests.gtpo_reference import gtpo_reference
 
 
 def random_batch(seed: int, groups: int = 7, length: int = 23):
@@ -30,16 +32,19 @@ def random_batch(seed: int, groups: int = 7, length: int = 23):
     return entropy, mask, rewards, gid, groups, responses
 
 
-@pytest.mark.parametrize("norm_mode", ["split", "joint"])
+@pytest.mark.parametrize("norm_mode", ["zero_fill", "split", "joint"])
 @pytest.mark.parametrize("norm_scope", ["group", "batch"])
+@pytest.mark.parametrize("weight_scope", ["group", "batch"])
 @pytest.mark.parametrize("conflict_mask", [False, True])
-@pytest.mark.parametrize("seed", range(4))
-def test_chunked_path_matches_reference(monkeypatch, norm_mode, norm_scope, conflict_mask, seed):
-    monkeypatch.setattr(_gtpo_fast, "CPU_CHUNK_TOKENS", 64)  # a few rows per chunk
+@pytest.mark.parametrize("seed", range(3))
+def test_chunked_path_matches_reference(monkeypatch, norm_mode, norm_scope, weight_scope, conflict_mask, seed):
+    monkeypatch.setattr(chunked_rows, "CPU_CHUNK_TOKENS", 64)  # a few rows per chunk
     entropy, mask, rewards, gid, groups, responses = random_batch(seed)
-    params = GTPOParams(norm_mode=norm_mode, norm_scope=norm_scope, conflict_mask=conflict_mask)
+    params = GTPOParams(
+        norm_mode=norm_mode, norm_scope=norm_scope, weight_scope=weight_scope, conflict_mask=conflict_mask
+    )
     fast, fast_diag = gtpo_token_advantages(entropy, mask, rewards, gid, groups, params, responses=responses)
-    ref, ref_diag = _gtpo_token_advantages_reference(entropy, mask, rewards, gid, groups, params, responses=responses)
+    ref, ref_diag = gtpo_reference(entropy, mask, rewards, gid, groups, params, responses=responses)
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
     assert torch.count_nonzero(fast * (1 - mask)) == 0
     # Sign-conditioned diagnostics (adv_pos_mean, frac_tokens_adv_pos) are left out: tokens whose advantage is 0 in

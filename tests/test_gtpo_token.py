@@ -13,17 +13,22 @@ import numpy as np
 import pytest
 import torch
 
-from gtpo.algorithms.entropy_shaping import (
-    GTPOParams,
-    active_counts,
-    entropy_shares,
-    gtpo_shaped_rewards,
-    gtpo_token_advantages,
-)
+from gtpo.algorithms.entropy_shaping import GTPOParams
+from gtpo.algorithms.entropy_weights import active_counts, entropy_shares, gtpo_shaped_rewards
 from gtpo.algorithms.group_ops import group_ids
+from gtpo.algorithms.gtpo_token import gtpo_token_advantages
 
 # ---------------------------------------------------------------------------------------------------------------------
 # helpers
+
+# The equations as typeset with the split reading of Eq. 6 (the recipe's defaults before paper A's text was read):
+# the tests below that are about split / per-group behaviour pin it; the paper's defaults are tested in
+# tests/test_gtpo_zero_fill.py.
+AS_TYPESET_SPLIT = {"norm_mode": "split", "norm_scope": "group", "weight_scope": "group"}
+
+
+def _typeset(**kwargs) -> GTPOParams:
+    return GTPOParams(**{**AS_TYPESET_SPLIT, **kwargs})
 
 
 def _batch(lengths, rewards, groups, L=None, seed=0, h_lo=0.2, h_hi=3.0):
@@ -73,8 +78,9 @@ def _loop_reference(ent, mask, rewards, groups, p: GTPOParams, offset=None):
         base.append(v + (float(offset[b]) if offset is not None else 0.0))
     labels = [int(x) for x in groups]
     shaped = [[0.0] * L for _ in range(B)]
-    for g in sorted(set(labels)):
-        rows = [b for b in range(B) if labels[b] == g]
+    weight_scopes = sorted(set(labels)) if p.weight_scope == "group" else [None]
+    for g in weight_scopes:
+        rows = [b for b in range(B) if g is None or labels[b] == g]
         for t in range(L):
             P = [b for b in rows if correct[b] and M[b][t]]
             N = [b for b in rows if not correct[b] and M[b][t]]
@@ -85,27 +91,33 @@ def _loop_reference(ent, mask, rewards, groups, p: GTPOParams, offset=None):
             for b in N:
                 shaped[b][t] = p.alpha1 * base[b] - p.alpha2 * (1.0 / (H[b][t] + p.eps)) / (si + p.eps) * len(N)
     # whitening sets
+    # whitening sets: (tokens whose values enter the statistics, value of each, tokens that take the result)
     sets = []
     scopes = sorted(set(labels)) if p.norm_scope == "group" else [None]
     for g in scopes:
         in_scope = [b for b in range(B) if g is None or labels[b] == g]
+        toks = [(b, t) for b in in_scope for t in range(L) if M[b][t]]
+        pos = [(b, t) for b, t in toks if correct[b]]
+        neg = [(b, t) for b, t in toks if not correct[b]]
         if p.norm_mode == "split":
-            sets.append([(b, t) for b in in_scope for t in range(L) if M[b][t] and correct[b]])
-            sets.append([(b, t) for b in in_scope for t in range(L) if M[b][t] and not correct[b]])
+            sets += [(pos, [shaped[b][t] for b, t in pos], pos), (neg, [shaped[b][t] for b, t in neg], neg)]
+        elif p.norm_mode == "zero_fill":
+            # Eq. 3 / 5: r~+ is 0 on incorrect tokens and r~- on correct ones; each field over all tokens
+            sets.append((toks, [shaped[b][t] if correct[b] else 0.0 for b, t in toks], pos))
+            sets.append((toks, [0.0 if correct[b] else shaped[b][t] for b, t in toks], neg))
         else:
-            sets.append([(b, t) for b in in_scope for t in range(L) if M[b][t]])
+            sets.append((toks, [shaped[b][t] for b, t in toks], toks))
     adv = [[0.0] * L for _ in range(B)]
-    for s in sets:
-        if len(s) <= 1:
+    for _members, vals, takers in sets:
+        if len(vals) <= 1:
             continue
-        vals = [shaped[b][t] for b, t in s]
         mu = sum(vals) / len(vals)
         denom = len(vals) - 1 if p.std == "unbiased" else len(vals)
         sd = math.sqrt(sum((v - mu) ** 2 for v in vals) / denom)
         if sd <= p.zero_var_rtol * sum(abs(v) for v in vals) / len(vals):
             continue
-        for (b, t), v in zip(s, vals):
-            adv[b][t] = (v - mu) / (sd + p.eps)
+        for b, t in takers:
+            adv[b][t] = (shaped[b][t] - mu) / (sd + p.eps)
     return torch.tensor(shaped, dtype=torch.float64), torch.tensor(adv, dtype=torch.float64)
 
 
@@ -124,7 +136,7 @@ def test_worked_example_mixed_group():
     mask = torch.ones(3, 2)
     r = torch.tensor([1.0, 1.0, -1.0])
     gid = torch.zeros(3, dtype=torch.long)
-    shaped = gtpo_shaped_rewards(ent, mask, r, gid, 1, GTPOParams(alpha1=1.0, alpha2=0.1))
+    shaped = gtpo_shaped_rewards(ent, mask, r, gid, 1, _typeset(alpha1=1.0, alpha2=0.1))
     # by hand: 1 + 0.1 * 3/4 * 2 = 1.15, 1 + 0.1 * 1/4 * 2 = 1.05, -1 - 0.1 * (1/2)/(1) * 1 = -1.1
     expected = torch.tensor([[1.15, 1.05], [1.05, 1.15], [-1.1, -1.1]], dtype=torch.float64)
     torch.testing.assert_close(shaped, expected, atol=1e-6, rtol=0)
@@ -132,7 +144,9 @@ def test_worked_example_mixed_group():
 
 def test_worked_example_all_wrong():
     ent = torch.tensor([[4.0, 1.0], [1.0, 4.0]])
-    shaped = gtpo_shaped_rewards(ent, torch.ones(2, 2), torch.tensor([-1.0, -1.0]), torch.zeros(2, dtype=torch.long), 1)
+    shaped = gtpo_shaped_rewards(
+        ent, torch.ones(2, 2), torch.tensor([-1.0, -1.0]), torch.zeros(2, dtype=torch.long), 1, _typeset()
+    )
     # inverse entropies 1/4, 1 -> shares 0.2, 0.8, times h=2 -> 0.4, 1.6: -1 - 0.04 = -1.04, -1 - 0.16 = -1.16
     expected = torch.tensor([[-1.04, -1.16], [-1.16, -1.04]], dtype=torch.float64)
     torch.testing.assert_close(shaped, expected, atol=1e-6, rtol=0)
@@ -142,7 +156,7 @@ def test_worked_example_split_advantages_by_hand():
     # positives: shaped values {1.15, 1.05, 1.05, 1.15}: mean 1.1, unbiased std sqrt(4*0.0025/3)
     ent = torch.tensor([[3.0, 1.0], [1.0, 3.0], [2.0, 2.0]])
     r, gid = torch.tensor([1.0, 1.0, -1.0]), torch.zeros(3, dtype=torch.long)
-    adv, _ = gtpo_token_advantages(ent, torch.ones(3, 2), r, gid, 1)
+    adv, _ = gtpo_token_advantages(ent, torch.ones(3, 2), r, gid, 1, _typeset())
     a = 0.05 / (math.sqrt(4 * 0.0025 / 3) + 1e-6)
     expected = torch.tensor([[a, -a], [-a, a], [0.0, 0.0]])
     torch.testing.assert_close(adv, expected, atol=1e-5, rtol=0)
@@ -155,7 +169,7 @@ def test_worked_example_split_advantages_by_hand():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a1_t1_conservation_with_alpha_sum_one(seed):
     ent, mask, r, gid, ng = _random_batch(seed, allow_empty=True)
-    p = GTPOParams(alpha1=0.9, alpha2=0.1)
+    p = _typeset(alpha1=0.9, alpha2=0.1)
     shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, p)
     correct = r > 0
     d, h = active_counts(mask, correct, gid, ng)
@@ -174,7 +188,7 @@ def test_a1_t1_conservation_with_alpha_sum_one(seed):
 def test_a1_t1_negative_control_alpha_sum_not_one():
     ent = torch.tensor([[3.0, 1.0], [1.0, 3.0], [2.0, 2.0]])
     r, gid = torch.tensor([1.0, 1.0, -1.0]), torch.zeros(3, dtype=torch.long)
-    shaped = gtpo_shaped_rewards(ent, torch.ones(3, 2), r, gid, 1)
+    shaped = gtpo_shaped_rewards(ent, torch.ones(3, 2), r, gid, 1, _typeset())
     col_sum = shaped[:2].sum(0)
     # alpha1 + alpha2 = 1.1: the sum is 2.2, not d_t = 2
     torch.testing.assert_close(col_sum, torch.tensor([2.2, 2.2], dtype=torch.float64), atol=1e-6, rtol=0)
@@ -185,7 +199,7 @@ def test_a1_t1_general_form_with_non_binary_rewards_and_offset():
     ent, mask, _, gid, ng = _batch([4, 3, 2, 4], [1, 1, -1, -1], ["a"] * 4, seed=3)
     r = torch.tensor([1.0, 0.7, -1.0, -1.0])
     offset = torch.tensor([-0.2, 0.0, -0.3, 0.0])
-    p = GTPOParams(alpha1=1.0, alpha2=0.1)
+    p = _typeset(alpha1=1.0, alpha2=0.1)
     shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, p, reward_offset=offset)
     m = mask.bool()
     base = torch.tensor([0.8, 0.7, -1.3, -1.0], dtype=torch.float64)
@@ -205,7 +219,7 @@ def test_a1_t1_general_form_with_non_binary_rewards_and_offset():
 def test_a1_t2_uniform_entropy_shaped_rewards_constant_and_split_zero():
     ent, mask, r, gid, ng = _batch([5, 3, 4, 2, 5], [1, 1, -1, -1, 1], list("aabbb"))
     ent = torch.where(mask.bool(), torch.full_like(ent, 1.7), ent)
-    p = GTPOParams()
+    p = _typeset()
     shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, p)
     m = mask.bool()
     pos, neg = m & (r > 0)[:, None], m & (r <= 0)[:, None]
@@ -217,10 +231,10 @@ def test_a1_t2_uniform_entropy_shaped_rewards_constant_and_split_zero():
 
 def test_a1_t2_alpha2_zero_split_is_zero():
     ent, mask, r, gid, ng = _random_batch(4)
-    shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, GTPOParams(alpha2=0.0))
+    shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, _typeset(alpha2=0.0))
     m = mask.bool()
     assert torch.equal(shaped[m], torch.where(r > 0, 1.0, -1.0).double()[:, None].expand_as(shaped)[m])
-    adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(alpha2=0.0))
+    adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset(alpha2=0.0))
     assert torch.count_nonzero(adv) == 0
 
 
@@ -244,7 +258,7 @@ def test_a1_t2_joint_equal_lengths_matches_verl_grpo(alpha2, reward_kind):
     lengths, rewards, groups = ([x[i] for i in order] for x in (lengths, rewards, groups))
     ent, mask, r, gid, ng = _batch(lengths, rewards, groups, L=6)
     ent = torch.where(mask.bool(), torch.full_like(ent, 0.9), ent)
-    p = GTPOParams(alpha2=alpha2, norm_mode="joint", std="population")
+    p = _typeset(alpha2=alpha2, norm_mode="joint", std="population")
     adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, p)
     tlr = torch.zeros_like(mask)
     tlr[torch.arange(len(lengths)), torch.tensor(lengths) - 1] = r
@@ -257,7 +271,7 @@ def test_a1_t2_joint_equal_lengths_matches_verl_grpo(alpha2, reward_kind):
 def test_a1_t2_joint_variable_lengths_is_token_whitening_of_constants():
     ent, mask, r, gid, ng = _batch([5, 2, 4, 1, 3], [1, -1, -1, 1, 1], ["x"] * 5)
     ent = torch.where(mask.bool(), torch.full_like(ent, 2.0), ent)
-    adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(norm_mode="joint"))
+    adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset(norm_mode="joint"))
     m = mask.bool()
     c = torch.where(r > 0, 1.1, -1.1).double()[:, None].expand_as(mask)[m]
     expected = (c - c.mean()) / (c.std() + 1e-6)
@@ -273,7 +287,7 @@ def test_a1_t2_joint_variable_lengths_is_token_whitening_of_constants():
 @pytest.mark.parametrize("seed", [0, 5])
 def test_a1_t3_t5_sign_and_bounds(seed):
     ent, mask, r, gid, ng = _random_batch(seed)
-    p = GTPOParams(alpha1=1.0, alpha2=0.3)
+    p = _typeset(alpha1=1.0, alpha2=0.3)
     shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, p)
     m = mask.bool()
     correct = r > 0
@@ -284,7 +298,7 @@ def test_a1_t3_t5_sign_and_bounds(seed):
     assert bool((shaped[pos] <= (1.0 + 0.3 * d[gid])[pos] + 1e-12).all())
     assert bool((shaped[neg] >= (-1.0 - 0.3 * h[gid])[neg] - 1e-12).all())
     # the count-scaled weight averages to 1 over the active set at each position
-    sp, sn = entropy_shares(ent, mask, correct, gid, ng)
+    sp, sn = entropy_shares(ent, mask, correct, gid, ng, weight_scope="group")
     wsum_pos = torch.zeros_like(d).index_add_(0, gid, sp * d[gid])
     torch.testing.assert_close(wsum_pos, d, atol=1e-5, rtol=0)
     wsum_neg = torch.zeros_like(h).index_add_(0, gid, sn * h[gid])
@@ -294,7 +308,7 @@ def test_a1_t3_t5_sign_and_bounds(seed):
 def test_a1_t4_monotonicity():
     ent = torch.tensor([[0.5], [1.0], [2.5], [0.3], [1.2], [4.0]])
     r = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -1.0])
-    shaped = gtpo_shaped_rewards(ent, torch.ones(6, 1), r, torch.zeros(6, dtype=torch.long), 1)[:, 0]
+    shaped = gtpo_shaped_rewards(ent, torch.ones(6, 1), r, torch.zeros(6, dtype=torch.long), 1, _typeset())[:, 0]
     assert shaped[0] < shaped[1] < shaped[2]
     # confident mistakes (low entropy) are penalised harder
     assert shaped[3] < shaped[4] < shaped[5]
@@ -310,7 +324,7 @@ def test_a1_t6_variable_lengths_counts_and_padding():
     assert d[0].tolist() == [2, 2, 1, 1, 0]
     assert h[0].tolist() == [1, 1, 1, 0, 0]
     assert bool((d[0, 1:] <= d[0, :-1]).all()) and bool((h[0, 1:] <= h[0, :-1]).all())
-    adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng)
+    adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset())
     assert torch.count_nonzero(adv[~mask.bool()]) == 0
     assert torch.isfinite(adv).all()
 
@@ -319,7 +333,7 @@ def test_padding_values_never_read():
     ent, mask, r, gid, ng = _random_batch(11)
     clean = torch.where(mask.bool(), ent, torch.zeros_like(ent))
     junk = torch.where(mask.bool(), ent, torch.full_like(ent, -1e30))
-    for p in (GTPOParams(), GTPOParams(norm_mode="joint", norm_scope="batch")):
+    for p in (_typeset(), _typeset(norm_mode="joint", norm_scope="batch")):
         a_nan, _ = gtpo_token_advantages(ent, mask, r, gid, ng, p)
         a_clean, _ = gtpo_token_advantages(clean, mask, r, gid, ng, p)
         a_junk, _ = gtpo_token_advantages(junk, mask, r, gid, ng, p)
@@ -334,13 +348,13 @@ def test_padding_values_never_read():
 def test_a1_t7_split_alpha_invariant_joint_not():
     ent, mask, r, gid, ng = _random_batch(21, allow_single=False)
     outs_split = [
-        gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(alpha1=a1, alpha2=a2))[0]
+        gtpo_token_advantages(ent, mask, r, gid, ng, _typeset(alpha1=a1, alpha2=a2))[0]
         for a1, a2 in [(1.0, 0.1), (0.5, 2.0), (3.0, 0.5)]
     ]
     for o in outs_split[1:]:
         torch.testing.assert_close(o, outs_split[0], atol=1e-4, rtol=1e-4)
     outs_joint = [
-        gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(alpha1=a1, alpha2=a2, norm_mode="joint"))[0]
+        gtpo_token_advantages(ent, mask, r, gid, ng, _typeset(alpha1=a1, alpha2=a2, norm_mode="joint"))[0]
         for a1, a2 in [(1.0, 0.1), (0.5, 2.0)]
     ]
     assert (outs_joint[0] - outs_joint[1]).abs().max() > 0.1
@@ -349,7 +363,7 @@ def test_a1_t7_split_alpha_invariant_joint_not():
 @pytest.mark.parametrize("scope", ["group", "batch"])
 def test_a1_t9_split_sets_have_mean0_std1(scope):
     ent, mask, r, gid, ng = _random_batch(8, allow_single=False, allow_empty=False)
-    adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(norm_scope=scope))
+    adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset(norm_scope=scope))
     adv = adv.double()
     m = mask.bool()
     correct = r > 0
@@ -384,7 +398,7 @@ def test_a1_t8_no_gradient_reaches_entropy():
     assert ent.requires_grad
     r = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, 1.0])
     gid = torch.tensor([0, 0, 0, 1, 1, 1])
-    adv, _ = gtpo_token_advantages(ent, mask, r, gid, 2)
+    adv, _ = gtpo_token_advantages(ent, mask, r, gid, 2, _typeset())
     assert not adv.requires_grad and adv.grad_fn is None
     logp = logp_all.gather(-1, tokens[..., None]).squeeze(-1)
     loss = _ppo_token_mean_loss(logp, logp.detach() - 0.05, adv, mask)
@@ -392,14 +406,14 @@ def test_a1_t8_no_gradient_reaches_entropy():
     g_full = logits.grad.clone()
     # the same loss with the entropy cut off by hand: identical gradient, so none flowed through H
     logits.grad = None
-    adv2, _ = gtpo_token_advantages(ent.detach(), mask, r, gid, 2)
+    adv2, _ = gtpo_token_advantages(ent.detach(), mask, r, gid, 2, _typeset())
     logp_all2 = torch.log_softmax(logits, -1)
     logp2 = logp_all2.gather(-1, tokens[..., None]).squeeze(-1)
     _ppo_token_mean_loss(logp2, logp2.detach() - 0.05, adv2, mask).backward()
     assert torch.equal(g_full, logits.grad)
     # a separate leaf used only for the entropy gets no gradient at all
     ent_leaf = ent.detach().clone().requires_grad_(True)
-    adv3, _ = gtpo_token_advantages(ent_leaf, mask, r, gid, 2)
+    adv3, _ = gtpo_token_advantages(ent_leaf, mask, r, gid, 2, _typeset())
     assert adv3.grad_fn is None
     # padding: no gradient
     assert torch.count_nonzero(logits.grad[~mask.bool()]) == 0
@@ -415,7 +429,7 @@ def test_a1_t8_no_gradient_reaches_entropy():
 def test_vectorised_matches_loop_reference(seed, mode, scope):
     ent, mask, r, gid, ng = _random_batch(100 + seed, reward_kind="pm1" if seed % 2 else "01")
     std = "unbiased" if seed % 3 else "population"
-    p = GTPOParams(alpha1=1.0, alpha2=0.1 + 0.2 * seed, norm_mode=mode, norm_scope=scope, std=std)
+    p = _typeset(alpha1=1.0, alpha2=0.1 + 0.2 * seed, norm_mode=mode, norm_scope=scope, std=std)
     offset = None
     if seed % 2:
         offset = -0.5 * torch.rand(len(r), generator=torch.Generator().manual_seed(seed))
@@ -428,9 +442,9 @@ def test_vectorised_matches_loop_reference(seed, mode, scope):
 
 def test_row_order_does_not_matter():
     ent, mask, r, gid, ng = _random_batch(42)
-    adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng)
+    adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset())
     perm = torch.randperm(len(r), generator=torch.Generator().manual_seed(1))
-    adv_p, _ = gtpo_token_advantages(ent[perm], mask[perm], r[perm], gid[perm], ng)
+    adv_p, _ = gtpo_token_advantages(ent[perm], mask[perm], r[perm], gid[perm], ng, _typeset())
     torch.testing.assert_close(adv_p, adv[perm], atol=1e-6, rtol=0)
 
 
@@ -440,7 +454,7 @@ def test_row_order_does_not_matter():
 
 def test_all_correct_group_gets_entropy_rank_signal():
     ent, mask, r, gid, ng = _batch([3, 3, 3], [1, 1, 1], ["a"] * 3, seed=2)
-    adv, diag = gtpo_token_advantages(ent, mask, r, gid, ng)
+    adv, diag = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset())
     assert torch.count_nonzero(adv) > 0
     # at each position, the advantage orders like the entropy
     for t in range(3):
@@ -450,7 +464,7 @@ def test_all_correct_group_gets_entropy_rank_signal():
 
 def test_all_wrong_group_lower_entropy_lower_advantage():
     ent, mask, r, gid, ng = _batch([3, 3, 3], [-1, -1, -1], ["a"] * 3, seed=4)
-    adv, diag = gtpo_token_advantages(ent, mask, r, gid, ng)
+    adv, diag = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset())
     for t in range(3):
         assert torch.equal(torch.argsort(adv[:, t]), torch.argsort(ent[:, t]))
     assert diag["frac_groups_all_wrong"] == 1.0
@@ -459,7 +473,7 @@ def test_all_wrong_group_lower_entropy_lower_advantage():
 def test_single_active_token_weight_one():
     # position 3: only row 0 is active among the correct ones (d_t = 1)
     ent, mask, r, gid, ng = _batch([4, 2, 3], [1, 1, -1], ["g"] * 3, L=4)
-    shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng)
+    shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, _typeset())
     assert abs(float(shaped[0, 3]) - 1.1) < 1e-6
     # position 2 on the negative side: h_t = 1
     assert abs(float(shaped[2, 2]) + 1.1) < 1e-6
@@ -467,10 +481,10 @@ def test_single_active_token_weight_one():
 
 def test_single_response_group_zero_under_group_scope():
     ent, mask, r, gid, ng = _batch([4, 3, 3, 2, 3], [1, 1, 1, -1, -1], ["solo", "g", "g", "g", "h"], seed=6)
-    adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng)
+    adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset())
     assert torch.count_nonzero(adv[0]) == 0 and torch.count_nonzero(adv[4]) == 0
     assert torch.count_nonzero(adv[1:4]) > 0
-    adv_b, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(norm_scope="batch"))
+    adv_b, _ = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset(norm_scope="batch"))
     assert torch.count_nonzero(adv_b[0]) > 0
 
 
@@ -480,7 +494,7 @@ def test_empty_response_takes_no_part():
     mask_e = torch.cat([mask, torch.zeros(2, 4)])
     r_e = torch.cat([r, torch.tensor([1.0, -1.0])])
     gid_e = torch.cat([gid, torch.zeros(2, dtype=torch.long)])
-    for p in (GTPOParams(), GTPOParams(norm_mode="joint"), GTPOParams(norm_scope="batch")):
+    for p in (_typeset(), _typeset(norm_mode="joint"), _typeset(norm_scope="batch")):
         a, _ = gtpo_token_advantages(ent, mask, r, gid, ng, p)
         a_e, _ = gtpo_token_advantages(ent_e, mask_e, r_e, gid_e, ng, p)
         assert torch.equal(a_e[:4], a) and torch.count_nonzero(a_e[4:]) == 0
@@ -491,11 +505,11 @@ def test_empty_response_takes_no_part():
 def test_all_zero_entropy():
     ent, mask, r, gid, ng = _batch([3, 3, 3, 3], [1, 1, -1, -1], ["g"] * 4)
     ent = torch.where(mask.bool(), torch.zeros_like(ent), ent)
-    shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng)
+    shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, _typeset())
     # positive side: weight 0/(0+eps) = 0 -> r~ = a1 * r (conservation breaks); negative side: 1/h_t each
     assert torch.equal(shaped[:2], torch.ones(2, 3, dtype=torch.float64))
     torch.testing.assert_close(shaped[2:], torch.full((2, 3), -1.1, dtype=torch.float64), atol=1e-9, rtol=0)
-    adv, diag = gtpo_token_advantages(ent, mask, r, gid, ng)
+    adv, diag = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset())
     assert torch.count_nonzero(adv) == 0
     assert abs(diag["conservation_err"] - 0.2) < 1e-9  # a2 * d_t = 0.1 * 2 lost on the positive side
 
@@ -504,9 +518,9 @@ def test_zero_variance_tolerance_needed_for_uniform_small_entropy():
     """Exactly uniform entropy with variable lengths: the eps guards leave a ~a2*eps/H spread (§3.6)."""
     ent, mask, r, gid, ng = _batch([4, 2, 3, 1], [1, 1, -1, -1], ["g"] * 4, L=4)
     ent = torch.where(mask.bool(), torch.full_like(ent, 0.01), ent)
-    adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng)
+    adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset())
     assert torch.count_nonzero(adv) == 0
-    raw, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(zero_var_rtol=0.0))
+    raw, _ = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset(zero_var_rtol=0.0))
     assert raw.abs().max() > 0.1  # rounding turned into sizeable advantages without the tolerance
 
 
@@ -516,31 +530,31 @@ def test_small_negative_entropy_is_clamped():
     ent_neg[0, 1] = -0.003
     ent_zero = ent.clone()
     ent_zero[0, 1] = 0.0
-    a1, _ = gtpo_token_advantages(ent_neg, mask, r, gid, ng)
-    a2, _ = gtpo_token_advantages(ent_zero, mask, r, gid, ng)
+    a1, _ = gtpo_token_advantages(ent_neg, mask, r, gid, ng, _typeset())
+    a2, _ = gtpo_token_advantages(ent_zero, mask, r, gid, ng, _typeset())
     assert torch.equal(a1, a2)
 
 
 def test_negative_base_choices():
     ent, mask, _, gid, ng = _batch([3, 3, 3, 3], [1, 1, -1, -1], ["g"] * 4, seed=5)
     r = torch.tensor([1.0, 0.8, -1.0, -1.4])  # e.g. a +-1 reward with an overlong penalty folded in
-    s_lit = gtpo_shaped_rewards(ent, mask, r, gid, ng, GTPOParams(negative_base="minus_one"))
-    s_rew = gtpo_shaped_rewards(ent, mask, r, gid, ng, GTPOParams(negative_base="reward"))
+    s_lit = gtpo_shaped_rewards(ent, mask, r, gid, ng, _typeset(negative_base="minus_one"))
+    s_rew = gtpo_shaped_rewards(ent, mask, r, gid, ng, _typeset(negative_base="reward"))
     torch.testing.assert_close(s_lit[:3], s_rew[:3])
     torch.testing.assert_close(s_rew[3] - s_lit[3], torch.full((3,), -0.4, dtype=torch.float64))
     # 0/1 rewards: "reward" would make the incorrect base 0 -> rejected
     with pytest.raises(ValueError, match="negative_base"):
         r01 = torch.tensor([1.0, 1.0, 0.0, 0.0])
-        gtpo_token_advantages(ent, mask, r01, gid, ng, GTPOParams(negative_base="reward"))
+        gtpo_token_advantages(ent, mask, r01, gid, ng, _typeset(negative_base="reward"))
     # 0/1 rewards under the default: incorrect base is -1, same as +-1 rewards
-    a01, _ = gtpo_token_advantages(ent, mask, torch.tensor([1.0, 1.0, 0.0, 0.0]), gid, ng)
-    apm, _ = gtpo_token_advantages(ent, mask, torch.tensor([1.0, 1.0, -1.0, -1.0]), gid, ng)
+    a01, _ = gtpo_token_advantages(ent, mask, torch.tensor([1.0, 1.0, 0.0, 0.0]), gid, ng, _typeset())
+    apm, _ = gtpo_token_advantages(ent, mask, torch.tensor([1.0, 1.0, -1.0, -1.0]), gid, ng, _typeset())
     assert torch.equal(a01, apm)
 
 
 def test_diagnostics_keys_and_values():
     ent, mask, r, gid, ng = _random_batch(3)
-    _, diag = gtpo_token_advantages(ent, mask, r, gid, ng)
+    _, diag = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset())
     expected = {
         "weight_pos_mean", "weight_pos_std", "weight_pos_max", "weight_neg_mean", "weight_neg_std", "weight_neg_max",
         "shaped_correct_mean", "shaped_incorrect_mean", "adv_correct_mean", "adv_incorrect_mean", "adv_pos_mean",
@@ -603,31 +617,31 @@ def test_bad_inputs_raise(mutate, match):
     ent, mask, r, gid, ng = _good()
     e2, m2, r2, g2 = mutate(ent, mask, r, gid)
     with pytest.raises(ValueError, match=match):
-        gtpo_token_advantages(e2, m2, r2, g2, ng)
+        gtpo_token_advantages(e2, m2, r2, g2, ng, _typeset())
 
 
 def test_nan_on_padding_is_not_an_error():
     ent, mask, r, gid, ng = _good()
     assert torch.isnan(ent[~mask.bool()]).all()
-    gtpo_token_advantages(ent, mask, r, gid, ng)
+    gtpo_token_advantages(ent, mask, r, gid, ng, _typeset())
 
 
 def test_non_positive_correct_reward_raises():
     ent, mask, _, gid, ng = _good()
     with pytest.raises(ValueError, match="correct"):
-        gtpo_token_advantages(ent, mask, torch.tensor([1.0, -0.2, -1.0]), gid, ng, GTPOParams(reward_threshold=-0.5))
+        gtpo_token_advantages(ent, mask, torch.tensor([1.0, -0.2, -1.0]), gid, ng, _typeset(reward_threshold=-0.5))
 
 
 def test_bad_reward_offset_raises():
     ent, mask, r, gid, ng = _good()
     with pytest.raises(ValueError, match="reward_offset"):
-        gtpo_token_advantages(ent, mask, r, gid, ng, reward_offset=torch.zeros(2))
+        gtpo_token_advantages(ent, mask, r, gid, ng, _typeset(), reward_offset=torch.zeros(2))
 
 
 def test_conflict_mask_needs_responses():
     ent, mask, r, gid, ng = _good()
     with pytest.raises(ValueError, match="responses"):
-        gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(conflict_mask=True))
+        gtpo_token_advantages(ent, mask, r, gid, ng, _typeset(conflict_mask=True))
 
 
 @pytest.mark.parametrize(
@@ -652,6 +666,7 @@ def test_conflict_mask_needs_responses():
         ({"conflict_mask": 1}, "conflict_mask"),
         ({"conflict_lam_pos": -2.0}, "conflict_lam_pos"),
         ({"conflict_lam_neg": -0.5}, "conflict_lam_neg"),
+        ({"compiled_kernels": 1}, "compiled_kernels"),
     ],
 )
 def test_params_validation(kwargs, field):
@@ -685,8 +700,8 @@ def test_conflict_mask_composition_by_hand():
     ent = torch.tensor([[1.0, 2.0, 0.5], [0.7, 1.5, 2.0], [1.0, 1.1, 1.2], [0.4, 0.9, 2.2]])
     r = torch.tensor([1.0, -1.0, 1.0, 1.0])
     gid = torch.tensor([0, 0, 1, 1])
-    p = GTPOParams(conflict_mask=True)
-    base, _ = gtpo_token_advantages(ent, mask, r, gid, 2, GTPOParams())
+    p = _typeset(conflict_mask=True)
+    base, _ = gtpo_token_advantages(ent, mask, r, gid, 2, _typeset())
     adv, diag = gtpo_token_advantages(ent, mask, r, gid, 2, p, responses=responses)
     lam_expected = torch.tensor([[2.0, 2.0, 1.0], [0.0, 0.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
     torch.testing.assert_close(adv, base * lam_expected)
@@ -701,8 +716,8 @@ def test_conflict_mask_random_equals_direct_product():
     ent, mask, r, gid, ng = _random_batch(77, L=6)
     g = torch.Generator().manual_seed(3)
     responses = torch.randint(0, 3, mask.shape, generator=g) * mask.long()
-    p = GTPOParams(conflict_mask=True, conflict_lam_pos=1.5, conflict_lam_neg=0.25, norm_mode="joint")
-    base, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(norm_mode="joint"))
+    p = _typeset(conflict_mask=True, conflict_lam_pos=1.5, conflict_lam_neg=0.25, norm_mode="joint")
+    base, _ = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset(norm_mode="joint"))
     adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, p, responses=responses)
     nonempty = mask.bool().any(-1)
     polarity = (torch.where(r > 0, 1, -1) * nonempty).to(torch.int8)
@@ -719,7 +734,7 @@ def test_conflict_mask_random_equals_direct_product():
 def test_a1_t10_uniform_entropy_to_zero_tends_to_constant(level):
     ent, mask, r, gid, ng = _batch([4, 2, 3, 3], [1, 1, -1, -1], ["g"] * 4, L=4)
     ent = torch.where(mask.bool(), torch.full_like(ent, level), ent)
-    shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng)
+    shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, _typeset())
     m = mask.bool()
     pos, neg = m & (r > 0)[:, None], m & (r <= 0)[:, None]
     # deviation is a2 * eps / (d_t * H) at most: the eps guard, not the formula, sets the limit as H -> 0

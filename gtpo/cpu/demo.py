@@ -38,8 +38,6 @@ Deliberate choices:
   ``algorithm.adv_estimator=<m>``; the demo's own settings come after it on the command line, so a preset cannot
   change the task or the budget (DAPO dynamic sampling, clip-higher, KL loss and loss aggregation are pinned) and
   runs of different methods stay comparable.
-* GTPO runs with ``algorithm.gtpo.norm_mode=joint`` (see ``METHOD_SETTINGS``): under the paper's split
-  normalisation the reward of this task cannot rise at all.
 * The reward never raises on odd responses (empty, special tokens only): they simply score 0.
 * The token heatmap shows the step whose batch reward is closest to 0.5 (``--heatmap-step`` picks another): late in
   a run every group is all-correct and GRPO's advantages are all 0.

@@ -50,14 +50,8 @@ DEMO_SETTINGS: tuple[str, ...] = (
     "trainer.project_name=gtpo_cpu_demo",
 )
 
-# Per-method demo settings, appended after DEMO_SETTINGS. GTPO whitens the shaped token rewards jointly: under the
-# paper's split normalisation (docs/ALGORITHMS.md §3.7) this task cannot be learned at all. The only token that decides
-# the reward is the first one, and all responses of a group share its context, so its entropy is equal across the
-# group, its shaped reward equals the set mean and its advantage is exactly 0 (claim A1-T2); the remaining
-# advantages carry no sign of correctness. `-- algorithm.gtpo.norm_mode=split` shows it (the reward does not rise).
-METHOD_SETTINGS: dict[str, tuple[str, ...]] = {
-    "gtpo": ("++algorithm.gtpo.norm_mode=joint",),
-}
+# Per-method demo settings, appended after DEMO_SETTINGS.
+METHOD_SETTINGS: dict[str, tuple[str, ...]] = {}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -25,8 +25,10 @@ import numpy as np
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_policy_loss
 
-from gtpo.algorithms.entropy_shaping import GRPOSParams, GTPOParams, grpo_s_advantages, gtpo_token_advantages
+from gtpo.algorithms.entropy_shaping import GRPOSParams, GTPOParams
 from gtpo.algorithms.group_ops import group_ids
+from gtpo.algorithms.grpo_s import grpo_s_advantages
+from gtpo.algorithms.gtpo_token import gtpo_token_advantages
 from gtpo.algorithms.length_penalty import GROPParams, grop_penalty
 from gtpo.algorithms.losses import grpo_s_loss_matrix
 from gtpo.verl_plugin.config import load_knobs
@@ -109,7 +111,7 @@ def _grop_offset(config, rewards, mask, gid, num_groups, threshold, diag):
     if not grop.enable:
         return None
     correct = rewards > threshold
-    pen = grop_penalty(mask.sum(-1), correct, gid, num_groups, grop.gamma1)
+    pen = grop_penalty(mask.sum(-1), correct, gid, num_groups, params=grop)
     b = max(int(pen.numel()), 1)
     diag["grop/penalty_mean"] = float(pen.sum()) / b
     diag["grop/penalised_frac"] = float((pen < 0).sum()) / b
