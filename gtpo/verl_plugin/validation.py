@@ -109,6 +109,13 @@ def validate_recipe_config(config: DictConfig) -> None:
             f"algorithm.grop.enable=true with algorithm.adv_estimator={estimator!r}: GROP is applied by the "
             f"{sorted(GROP_COMPATIBLE)} estimators and would be silently ignored"
         )
+    grop = knobs["grop"]
+    response_len = OmegaConf.select(config, "data.max_response_length")
+    if grop_on and grop.hard_mode == "dapo" and grop.dapo_max_length != response_len:
+        raise ValueError(
+            f"algorithm.grop.dapo_max_length={grop.dapo_max_length} != data.max_response_length={response_len}: "
+            "DAPO's punishment of hard groups must end where the rollout truncates"
+        )
     forking = knobs["forking"]
     if forking.enable and trainer_mode != TRAINER_MODE:
         raise ValueError(
