@@ -1,6 +1,6 @@
 """A hard kill and a resume through verl 0.9.1's real trainer on CPU: nothing of the run is lost.
 
-    flock /tmp/gtpo-heavy.lock .venv/bin/python -m pytest -q -m e2e tests/test_e2e_resume.py
+    .venv/bin/python -m pytest -q -m e2e tests/test_e2e_resume.py
 
 ``gtpo_traj`` (paper variant: the ini gate measures ``<H>_ini`` on the first batch) with a checkpoint every 2 steps;
 the whole job (driver and every Ray worker of the job) gets ``kill -9`` while step 6 runs, after the step-4
