@@ -22,9 +22,9 @@ SLOW = pytest.mark.skipif(
 # preset -> a metric only that method's code logs (its estimator or loss really ran)
 PRESET_METRIC = {
     "grpo": "critic/advantages/mean",
-    "dapo_forking": "forking/selected_token_frac",
+    "dapo_forking": "actor/forking/selected_token_frac",
     "gtpo": "gtpo/",
-    "grpo_s": "grpo_s/seq_ratio_mean",
+    "grpo_s": "actor/grpo_s/seq_ratio_mean",
 }
 
 
