@@ -196,6 +196,8 @@ def test_overrides_compose_with_the_recipe(assets):
     # no normalisation override: the demo runs the paper's Eq. 6 (zero_fill, batch scope) and GROP of the preset
     assert cfg.algorithm.gtpo.norm_mode == "zero_fill" and cfg.algorithm.gtpo.norm_scope == "batch"
     assert cfg.algorithm.gtpo.weight_scope == "batch" and cfg.algorithm.grop.enable is True
+    # no estimator override: the demo runs the recipe's GTPO defaults
+    assert not any(o.lstrip("+").startswith("algorithm.gtpo") for o in overrides)
     assert cfg.actor_rollout_ref.model.tokenizer_path == assets.tokenizer_dir
     assert cfg.actor_rollout_ref.rollout.name == "hf"
     assert cfg.actor_rollout_ref.rollout.n == 16 and cfg.data.train_batch_size == 8
@@ -211,6 +213,58 @@ def test_grpo_gets_no_gtpo_setting(assets):
     ov = demo.demo_overrides(assets, 5, 0, method="grpo")
     assert not any("algorithm.gtpo" in o for o in ov)
     assert demo.method_overrides("grpo") in (["method=grpo"], ["algorithm.adv_estimator=grpo"])
+
+
+PRESETS = ("grpo", "dapo", "dapo_forking", "gtpo", "grpo_s", "gtpo_traj")
+
+
+def compose_demo(assets, method: str, extra: tuple[str, ...] = ()):
+    from hydra import compose, initialize_config_dir
+
+    import gtpo.verl_plugin.register  # noqa: F401
+
+    overrides = ["backend=cpu_tiny", *demo.method_overrides(method), *demo.demo_overrides(assets, 3, 0), *extra]
+    old = os.getcwd()
+    os.chdir(REPO_ROOT)
+    try:
+        with initialize_config_dir(config_dir=str(REPO_ROOT / "recipe" / "gtpo" / "config"), version_base=None):
+            return compose(config_name="gtpo_trainer", overrides=overrides)
+    finally:
+        os.chdir(old)
+
+
+@pytest.mark.parametrize("method", PRESETS)
+def test_every_preset_composes_with_the_demo_pins(assets, method):
+    from omegaconf import OmegaConf
+
+    from gtpo.verl_plugin.validation import validate_recipe_config
+
+    preset = OmegaConf.load(REPO_ROOT / "configs" / "method" / f"{method}.yaml")
+    cfg = compose_demo(assets, method)
+    validate_recipe_config(cfg)  # DAPO's 1,024-token overlong buffer in a 4-token response would raise here
+    # the preset's method survives: estimator, policy loss, reward manager, forking
+    assert cfg.algorithm.adv_estimator == preset.algorithm.adv_estimator
+    loss_mode = OmegaConf.select(preset, "actor_rollout_ref.actor.policy_loss.loss_mode", default="vanilla")
+    assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == loss_mode
+    assert cfg.reward.reward_manager.name == OmegaConf.select(preset, "reward.reward_manager.name", default="naive")
+    assert cfg.algorithm.forking.enable == OmegaConf.select(preset, "algorithm.forking.enable", default=False)
+    # the same pins for every method: the task, the budget, no dynamic sampling, no overlong punishment
+    assert cfg.data.max_response_length == cfg.actor_rollout_ref.rollout.response_length == 4
+    assert (cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n) == (8, 16)
+    assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 2 and cfg.actor_rollout_ref.actor.optim.lr == 1e-3
+    assert cfg.algorithm.filter_groups.enable is False
+    assert cfg.reward.reward_kwargs.overlong_buffer_cfg.enable is False
+    assert cfg.actor_rollout_ref.actor.use_kl_loss is False
+    assert cfg.actor_rollout_ref.actor.clip_ratio_high == cfg.actor_rollout_ref.actor.clip_ratio_low == 0.2
+    assert cfg.actor_rollout_ref.actor.loss_agg_mode == "token-mean"
+
+
+def test_dapo_overlong_buffer_without_the_pin_is_rejected_at_config_time(assets):
+    from gtpo.verl_plugin.validation import validate_recipe_config
+
+    cfg = compose_demo(assets, "dapo", ("++reward.reward_kwargs.overlong_buffer_cfg.enable=True",))
+    with pytest.raises(ValueError, match="overlong_buffer_cfg.len=1024 >= reward.reward_kwargs.max_resp_len=4"):
+        validate_recipe_config(cfg)
 
 
 def test_bad_arguments_raise(assets):

@@ -25,26 +25,39 @@ Assets (built offline into ``$GTPO_CACHE_DIR`` or ``~/.cache/gtpo/tiny``, one fo
 
 The trainer is ``python -m recipe.gtpo.main_gtpo backend=cpu_tiny`` plus :func:`demo_overrides` (8 prompts x 16
 samples per step, responses of at most 4 tokens, learning rate 1e-3, 4 PPO updates per step, token-mean loss,
-clip 0.2, no KL, no dynamic sampling, no validation), run with :func:`gtpo.cpu.env` in a subprocess from the
-repository root. Afterwards the demo draws the training curves and a token heatmap with ``python -m gtpo.viz`` and
-prints the mean reward of the first and the last ten steps.
+clip 0.2, no KL, no dynamic sampling, no overlong punishment, no validation), run with :func:`gtpo.cpu.env` in a
+subprocess from the repository root. Its output goes to ``<out>/train.log``; the console shows one live line (step /
+total, the step's mean reward and policy entropy, elapsed and remaining time, :mod:`gtpo.cpu.demo_progress`).
+Afterwards the demo draws the training curves and a token heatmap with ``python -m gtpo.viz`` and prints the mean
+reward of the first and the last ten steps. ``python -m gtpo.cpu.compare`` runs methods x seeds of this demo.
 
 Deliberate choices:
 
 * 16 samples per prompt: the random model starts at a reward of ~0.05, so with 8 samples most groups are all wrong
   and carry no signal; 16 samples learn about 1.5x faster per step and far less seed-dependently, for a small
   cost per step.
-* ``--method`` selects ``configs/method/<m>.yaml`` when that preset exists, else sets
-  ``algorithm.adv_estimator=<m>``; the demo's own settings come after it on the command line, so a preset cannot
-  change the task or the budget (DAPO dynamic sampling, clip-higher, KL loss and loss aggregation are pinned) and
-  runs of different methods stay comparable.
+* ``--method`` selects ``configs/method/<m>.yaml`` when that preset exists (grpo, dapo, dapo_forking, gtpo, grpo_s,
+  gtpo_traj), else sets ``algorithm.adv_estimator=<m>``. The demo's own settings (``DEMO_SETTINGS``) come after it
+  on the command line and are the same for every method, so a preset cannot change the task or the budget and runs
+  of different methods stay comparable. They pin what a preset sets that does not fit a 4-token task: the scale
+  preset's batch, lengths, group size, learning rate and mini-batch (so gtpo_traj makes 4 updates per step like the
+  others, not one); DAPO's dynamic sampling (``algorithm.filter_groups.enable=False``: it would also bias the
+  logged training reward towards mixed groups) and its soft overlong punishment
+  (``reward.reward_kwargs.overlong_buffer_cfg.enable=False``: a 1,024-token buffer cannot fit in a 4-token
+  response; the recipe's validation rejects it, verl's DAPO reward manager would assert); clip-higher (0.2 / 0.2),
+  the KL loss (off: no reference model) and the loss aggregation (token-mean). The estimator, the policy loss, the
+  reward manager, the forking-token selection and GROP stay the preset's; every method runs the recipe's defaults
+  (no per-method setting in ``METHOD_SETTINGS``).
+* A reward worker that fails in its constructor (a reward function that does not load, a reward manager that
+  rejects its config) stops the run at start-up with its own error (:mod:`gtpo.verl_plugin.startup_checks`).
 * The reward never raises on odd responses (empty, special tokens only): they simply score 0.
 * The token heatmap shows the step whose batch reward is closest to 0.5 (``--heatmap-step`` picks another): late in
   a run every group is all-correct and GRPO's advantages are all 0.
 
 Modules: :mod:`gtpo.cpu.demo_task` (task, reward, assets), :mod:`gtpo.cpu.demo_trainer` (trainer overrides and
-command), :mod:`gtpo.cpu.demo_results` (rewards, summary, plots); this module is the command line and re-exports
-their names (``reward.custom_reward_function.path=pkg://gtpo.cpu.demo`` loads :func:`compute_score` from here).
+command), :mod:`gtpo.cpu.demo_results` (rewards, summary, plots), :mod:`gtpo.cpu.demo_progress` (the live line);
+this module is the command line and :func:`run_demo`, and re-exports their names
+(``reward.custom_reward_function.path=pkg://gtpo.cpu.demo`` loads :func:`compute_score` from here).
 """
 
 from __future__ import annotations
@@ -52,12 +65,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+from gtpo.cpu.demo_progress import run_trainer_with_progress
 from gtpo.cpu.demo_results import (
     REWARD_KEY,
     file_logger_records,
@@ -127,6 +140,7 @@ __all__ = [
     "build_rows",
     "build_tokenizer",
     "compute_score",
+    "demo_command",
     "demo_overrides",
     "file_logger_records",
     "heatmap_step",
@@ -136,6 +150,7 @@ __all__ = [
     "make_plots",
     "method_overrides",
     "recipe_key",
+    "run_demo",
     "score_response",
     "summarize",
     "token_dumps",
@@ -194,14 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     out = Path(args.out or REPO_ROOT / "outputs" / "cpu_demo" / args.method).expanduser().resolve()
-    metrics_path = out / "metrics.jsonl"
-    rollout_dir = out / "rollouts"
-    log_path = out / "train.log"
     try:
-        overrides = demo_overrides(
-            assets, args.steps, args.seed, rollout_dir, experiment=f"{args.method}_s{args.seed}", method=args.method
-        )
-        cmd = trainer_command(args.method, overrides, metrics_path, [f"hydra.run.dir={out / 'hydra'}", *extra])
+        cmd = demo_command(assets, args.method, args.steps, args.seed, out, extra)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -209,36 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(cmd))
         return 0
 
-    out.mkdir(parents=True, exist_ok=True)
-    metrics_path.unlink(missing_ok=True)
-    if rollout_dir.is_dir():
-        shutil.rmtree(rollout_dir)
-    print(f"[demo] method={args.method} steps={args.steps} seed={args.seed}; trainer log: {log_path}", flush=True)
-    t0 = time.monotonic()
-    with open(log_path, "wb") as log:
-        try:
-            proc = subprocess.run(
-                cmd, cwd=REPO_ROOT, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout
-            )
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-    wall = time.monotonic() - t0
-
-    rewards = load_rewards(metrics_path)
-    summary = {
-        "method": args.method,
-        "seed": args.seed,
-        "returncode": rc,
-        "wall_s": round(wall, 1),
-        **summarize(rewards),
-    }
-    summary.update(
-        make_plots(out, args.method, metrics_path, rollout_dir, assets.tokenizer_dir, args.also_plot, args.heatmap_step)
-    )
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-
-    print(f"[demo] trainer exit code {rc}, wall time {wall:.0f} s, {summary['steps']} steps logged")
+    summary = run_demo(
+        assets, args.method, args.steps, args.seed, out, extra, timeout=args.timeout, label="demo", plots=True,
+        also_plot=args.also_plot, heatmap_step_=args.heatmap_step,
+    )  # fmt: skip
+    rc, log_path = summary["returncode"], out / "train.log"
+    print(f"[demo] trainer exit code {rc}, wall time {summary['wall_s']:.0f} s, {summary['steps']} steps logged")
     if summary["steps"]:
         reached = summary["step_reaching_target"]
         print(
@@ -250,11 +235,78 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] curves: {summary['curves']}")
     if "heatmap" in summary:
         print(f"[demo] token heatmap of step {summary['heatmap_step']}: {summary['heatmap']}")
-    print(f"[demo] metrics: {metrics_path}; summary: {out / 'summary.json'}")
+    print(f"[demo] metrics: {out / 'metrics.jsonl'}; summary: {out / 'summary.json'}")
     if rc != 0:
         print(f"[demo] the trainer failed; last lines of {log_path}:", file=sys.stderr)
         print("\n".join(log_path.read_text(errors="replace").splitlines()[-30:]), file=sys.stderr)
     return 0 if rc == 0 else 1
+
+
+def demo_command(
+    assets: DemoAssets,
+    method: str,
+    steps: int,
+    seed: int,
+    out: Path,
+    extra: list[str],
+    ray_address: str | None = None,
+    experiment: str | None = None,
+) -> list[str]:
+    """The trainer command of one demo run writing into ``out``; ``ray_address`` joins a running Ray cluster."""
+    overrides = demo_overrides(
+        assets, steps, seed, out / "rollouts", experiment=experiment or f"{method}_s{seed}", method=method
+    )
+    # Joining a cluster: ray.init must not be given resources (the cluster has them).
+    joined = ["ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null"] if ray_address else []
+    hydra_dir = f"hydra.run.dir={out / 'hydra'}"
+    return trainer_command(method, overrides, out / "metrics.jsonl", [*joined, hydra_dir, *extra])
+
+
+def run_demo(
+    assets: DemoAssets,
+    method: str,
+    steps: int,
+    seed: int,
+    out: Path,
+    extra: list[str],
+    *,
+    timeout: float = 1800.0,
+    ray_address: str | None = None,
+    label: str = "demo",
+    plots: bool = True,
+    also_plot: list[str] | None = None,
+    heatmap_step_: int | None = None,
+    experiment: str | None = None,
+) -> dict:
+    """Train one demo run into ``out`` (``metrics.jsonl``, ``train.log``, plots), with the live progress line.
+
+    Returns the summary (also written to ``out/summary.json``): method, seed, exit code, wall time, the reward
+    summary of :func:`summarize` and, with ``plots``, the paths of the curves and the token heatmap.
+    """
+    cmd = demo_command(assets, method, steps, seed, out, extra, ray_address, experiment)
+    metrics_path, rollout_dir, log_path = out / "metrics.jsonl", out / "rollouts", out / "train.log"
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path.unlink(missing_ok=True)
+    if rollout_dir.is_dir():
+        shutil.rmtree(rollout_dir)
+    print(f"[{label}] method={method} steps={steps} seed={seed}; trainer log: {log_path}", flush=True)
+    env = trainer_env()
+    if ray_address:
+        env.update(RAY_ADDRESS=ray_address, RAY_AUTH_MODE="disabled")
+    t0 = time.monotonic()
+    rc = run_trainer_with_progress(
+        cmd, cwd=REPO_ROOT, env=env, log_path=log_path, metrics_path=metrics_path, total_steps=steps,
+        timeout=timeout, label=label, reward_key=REWARD_KEY,
+    )  # fmt: skip
+    wall = time.monotonic() - t0
+    summary = {"method": method, "seed": seed, "returncode": rc, "wall_s": round(wall, 1)}
+    summary.update(summarize(load_rewards(metrics_path)))
+    if plots:
+        summary.update(
+            make_plots(out, method, metrics_path, rollout_dir, assets.tokenizer_dir, also_plot or [], heatmap_step_)
+        )
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
 
 
 if __name__ == "__main__":

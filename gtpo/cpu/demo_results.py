@@ -88,7 +88,8 @@ def heatmap_step(rewards: list[tuple[int, float]], available: set[int]) -> int |
     return min(known, key=lambda sv: (abs(sv[1] - 0.5), -sv[0]))[0]
 
 
-def _run_viz(args: list[str], env: dict[str, str]) -> bool:
+def run_viz(args: list[str], env: dict[str, str]) -> bool:
+    """``python -m gtpo.viz <args>`` from the repository root; False (and its stderr printed) when it fails."""
     proc = subprocess.run(
         [sys.executable, "-m", "gtpo.viz", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True
     )
@@ -119,7 +120,7 @@ def make_plots(
         runs = [arg for spec in [f"{name}={metrics_path}", *also_plot] for arg in ("--run", spec)]
         curves = out / "curves.png"
         panels = ["--metrics", REWARD_KEY, "actor/entropy"]
-        if _run_viz(["curves", *runs, *panels, "--out", str(curves), "--title", "CPU demo: say <d> -> <d>"], env):
+        if run_viz(["curves", *runs, *panels, "--out", str(curves), "--title", "CPU demo: say <d> -> <d>"], env):
             written["curves"] = str(curves)
     if not rollout_dir.is_dir():
         return written
@@ -128,7 +129,7 @@ def make_plots(
     if not dumps:  # verl's own text dumps carry only the sequence score
         dumps, colour = {int(p.stem): p for p in rollout_dir.glob("*.jsonl") if p.stem.isdigit()}, "score"
     pick = step if step is not None or not dumps else heatmap_step(rewards, set(dumps))
-    if pick in dumps and _run_viz(
+    if pick in dumps and run_viz(
         ["tokens", "--input", str(dumps[pick]), "--out", str(heat), "--color", colour]
         + ["--tokenizer", tokenizer_dir, "--max-prompts", "4"],
         env,

@@ -10,9 +10,12 @@ from gtpo.cpu.demo_task import DemoAssets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# Trainer settings of the demo, appended after backend=cpu_tiny and the method preset so that every method runs the
-# same task with the same budget: the presets' DAPO dynamic sampling (it would also bias the logged training reward
-# towards mixed groups), clip-higher, KL loss and loss aggregation are pinned to one setting.
+# Trainer settings of the demo, appended after backend=cpu_tiny and the method preset, the same for every method so
+# that all of them run the same task with the same budget. They pin what a preset sets that does not fit a 4-token
+# task or would make runs incomparable: the scale preset's batch, lengths, group size and learning rate; DAPO dynamic
+# sampling (it would also bias the logged training reward towards mixed groups); DAPO's soft overlong punishment
+# (a 1,024-token buffer cannot fit in a 4-token response: the recipe rejects it, verl asserts on it); clip-higher;
+# KL loss (no reference model); loss aggregation; and the mini-batch (gtpo_traj's one update per step).
 DEMO_SETTINGS: tuple[str, ...] = (
     "data.train_batch_size=8",
     "data.max_prompt_length=8",
@@ -40,6 +43,7 @@ DEMO_SETTINGS: tuple[str, ...] = (
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=128",
     "algorithm.use_kl_in_reward=False",
     "algorithm.filter_groups.enable=False",
+    "++reward.reward_kwargs.overlong_buffer_cfg.enable=False",
     "reward.custom_reward_function.path=pkg://gtpo.cpu.demo",
     "reward.custom_reward_function.name=compute_score",
     "trainer.total_epochs=1000",
@@ -50,7 +54,7 @@ DEMO_SETTINGS: tuple[str, ...] = (
     "trainer.project_name=gtpo_cpu_demo",
 )
 
-# Per-method demo settings, appended after DEMO_SETTINGS.
+# Per-method demo settings, appended after DEMO_SETTINGS (none: every method runs its preset and the recipe's defaults).
 METHOD_SETTINGS: dict[str, tuple[str, ...]] = {}
 
 

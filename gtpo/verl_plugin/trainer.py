@@ -39,7 +39,7 @@ from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.debug import marked_timer
 from verl.workers.utils.padding import response_to_nested
 
-from gtpo.verl_plugin import checkpoint_state, file_log, forking
+from gtpo.verl_plugin import checkpoint_state, file_log, forking, startup_checks
 from gtpo.verl_plugin.dynamic_sampling import bound_generation_rounds
 
 TRAINER_MODE = "gtpo_sync"
@@ -83,6 +83,7 @@ class GTPOTrainerSync(PPOTrainerSync):
 
     def on_init_end(self):
         super().on_init_end()
+        startup_checks.check_reward_workers(self)
         # Installs the forking-token loss in every actor worker; None unless algorithm.forking.enable.
         self._forking = forking.install(self)
 

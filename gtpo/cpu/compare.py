@@ -1,0 +1,264 @@
+"""Methods x seeds on the CPU demo task through verl's real trainer: a table (markdown + JSON) and one figure.
+
+    python -m gtpo.cpu.compare                                   # every configuration, 3 seeds, 100 steps
+    python -m gtpo.cpu.compare --configs grpo,gtpo_zero_fill --seeds 1 --steps 40 --out outputs/compare
+    python -m gtpo.cpu.compare --list                            # the configurations and their overrides
+
+Every run is :func:`gtpo.cpu.demo.run_demo`: the demo's task, model, budget and pinned settings (DEMO_SETTINGS), the
+method preset, then the configuration's own estimator knobs (CONFIGURATIONS) and nothing else, so the runs differ
+only in the method. Seed ``s`` initialises the model and orders the data, the same for every configuration. All runs
+join one Ray cluster, started here for the sweep (or ``--ray-address`` of a running one): the Ray start-up is paid
+once, and every run is its own Ray job whose actors are freed when it ends.
+
+Written into ``--out``: ``<configuration>/s<seed>/`` (the demo's ``metrics.jsonl``, ``train.log``, ``summary.json``),
+``results.json``, ``results.md`` and ``rewards.png`` (reward and entropy per step of every configuration: the mean
+over seeds with a min-max band, by ``python -m gtpo.viz curves``). Per configuration the table gives the mean reward
+of the first and of the last ``--window`` steps (mean +- std over seeds), the first step whose trailing
+``--window``-step mean reaches ``--target`` (mean over the seeds that reached it, and how many did), the policy
+entropy averaged over the last window, and the seconds per training step (``timing_s/step`` without the first step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from gtpo.cpu.demo import REWARD_KEY, build_demo_assets, run_demo
+from gtpo.cpu.demo_progress import ENTROPY_KEY
+from gtpo.cpu.demo_results import file_logger_records, load_rewards, run_viz, summarize
+from gtpo.cpu.demo_trainer import REPO_ROOT
+
+# name -> (method preset, Hydra overrides after the demo's settings). The estimator knobs are the only differences.
+CONFIGURATIONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "grpo": ("grpo", ()),
+    "dapo": ("dapo", ()),
+    "dapo_forking": ("dapo_forking", ()),
+    "gtpo_zero_fill": ("gtpo", ("algorithm.gtpo.norm_mode=zero_fill",)),
+    "gtpo_joint": ("gtpo", ("algorithm.gtpo.norm_mode=joint",)),
+    "gtpo_split": ("gtpo", ("algorithm.gtpo.norm_mode=split",)),
+    "grpo_s_zero_fill": ("grpo_s", ("algorithm.grpo_s.norm_mode=zero_fill",)),
+    "grpo_s_joint": ("grpo_s", ("algorithm.grpo_s.norm_mode=joint",)),
+    "gtpo_traj_paper": ("gtpo_traj", ("algorithm.gtpo_traj.variant=paper",)),
+    "gtpo_traj_code": ("gtpo_traj", ("algorithm.gtpo_traj.variant=code",)),
+    "gtpo_conflict_mask": ("gtpo", ("algorithm.gtpo.conflict_mask=true",)),
+}
+
+STEP_TIME_KEY = "timing_s/step"
+# aggregated per-run values -> the key of their standard deviation over seeds
+STD_KEYS = {"first_mean": "first_std", "last_mean": "last_std", "final_entropy": "final_entropy_std",
+            "s_per_step": "s_per_step_std"}  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gtpo.cpu.compare", description=__doc__.split("\n")[0])
+    p.add_argument("--configs", default=",".join(CONFIGURATIONS), help="comma-separated names (default: all)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per configuration (default 3)")
+    p.add_argument("--steps", type=int, default=100, help="training steps of every run (default 100)")
+    p.add_argument("--out", default=str(REPO_ROOT / "outputs" / "compare"), help="output folder")
+    p.add_argument("--window", type=int, default=10, help="steps averaged for first / last reward (default 10)")
+    p.add_argument("--target", type=float, default=0.8, help="reward the trailing window mean must reach (0.8)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="kill a run after this many seconds")
+    p.add_argument("--ray-address", default=None, help="join this running Ray cluster instead of starting one")
+    p.add_argument("--cache-dir", default=None, help="asset cache (default $GTPO_CACHE_DIR or ~/.cache/gtpo/tiny)")
+    p.add_argument("--list", action="store_true", help="print the configurations and exit")
+    return p
+
+
+def parse_configs(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGURATIONS]
+    if unknown or not names:
+        raise ValueError(f"--configs={text!r}: unknown {unknown or 'empty'}; known: {', '.join(CONFIGURATIONS)}")
+    return list(dict.fromkeys(names))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# results
+
+
+def run_record(metrics_path: Path, summary: dict, window: int, target: float) -> dict:
+    """One run's row: exit code and wall time from ``summary``; rewards, entropy and s/step from its metrics."""
+    rewards = summarize(load_rewards(metrics_path), window, target)
+    records = [data for _, data in file_logger_records(metrics_path)] if metrics_path.is_file() else []
+    entropy = [d[ENTROPY_KEY] for d in records if isinstance(d.get(ENTROPY_KEY), int | float)]
+    step_s = [d[STEP_TIME_KEY] for d in records[1:] if isinstance(d.get(STEP_TIME_KEY), int | float)]
+    return {
+        "seed": summary["seed"],
+        "returncode": summary["returncode"],
+        "wall_s": summary["wall_s"],
+        "steps": rewards["steps"],
+        "first_mean": rewards.get("first_mean"),
+        "last_mean": rewards.get("last_mean"),
+        "step_reaching_target": rewards.get("step_reaching_target"),
+        "final_entropy": statistics.fmean(entropy[-window:]) if entropy else None,
+        "s_per_step": statistics.fmean(step_s) if step_s else None,
+    }
+
+
+def _mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None, None
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else None)
+
+
+def aggregate(runs: list[dict], steps: int) -> dict:
+    """Over seeds: mean and std of the rewards, the target step of the seeds that reached it, entropy, s/step."""
+    complete = [r for r in runs if r["returncode"] == 0 and r["steps"] == steps]
+    out: dict[str, object] = {"runs_complete": len(complete), "runs": len(runs)}
+    for key, std_key in STD_KEYS.items():
+        out[key], out[std_key] = _mean_std([r[key] for r in complete])
+    reached = [r["step_reaching_target"] for r in complete if r["step_reaching_target"] is not None]
+    out["target_reached"] = len(reached)
+    out["step_reaching_target"] = statistics.fmean(reached) if reached else None
+    return out
+
+
+def _pm(mean: float | None, std: float | None, digits: int = 2) -> str:
+    if mean is None:
+        return "–"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if std is not None else f"{mean:.{digits}f}"
+
+
+def markdown_table(results: dict) -> str:
+    """The table of ``results.json`` as GitHub markdown."""
+    w, target = results["window"], results["target"]
+    head = (
+        f"| configuration | runs complete | reward, first {w} steps | reward, last {w} steps | "
+        f"step where the {w}-step mean ≥ {target:g} | entropy, last {w} steps | s / step |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for name, cfg in results["configurations"].items():
+        a = cfg["aggregate"]
+        n = a["runs_complete"]
+        if a["step_reaching_target"] is None:
+            reached = "never"
+        else:
+            reached = f"{a['step_reaching_target']:.0f} ({a['target_reached']}/{n} seeds)"
+        rows.append(
+            f"| {name} | {n}/{a['runs']} | {_pm(a['first_mean'], a['first_std'])} | "
+            f"{_pm(a['last_mean'], a['last_std'])} | {reached} | "
+            f"{_pm(a['final_entropy'], a['final_entropy_std'])} | {_pm(a['s_per_step'], a['s_per_step_std'], 1)} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def machine() -> str:
+    cpu = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} logical CPUs, no GPU"
+
+
+def write_outputs(out: Path, results: dict, seeds_paths: list[tuple[str, Path]]) -> dict[str, str]:
+    """``results.json``, ``results.md`` and, when any run logged a step, the figure ``rewards.png``."""
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    md = (
+        f"{results['steps']} steps per run, seeds {results['seeds']}, {results['machine']}; "
+        f"wall time {results['wall_s'] / 60:.1f} min.\n\n`{results['command']}`\n\n" + markdown_table(results)
+    )
+    (out / "results.md").write_text(md)
+    written = {"json": str(out / "results.json"), "markdown": str(out / "results.md")}
+    runs = [arg for name, path in seeds_paths if load_rewards(path) for arg in ("--run", f"{name}={path}")]
+    figure = out / "rewards.png"
+    env = dict(os.environ)
+    env.setdefault("MPLBACKEND", "Agg")
+    title = f"CPU demo, {results['steps']} steps, mean over {len(results['seeds'])} seed(s), band = min-max"
+    if runs and run_viz(
+        ["curves", *runs, "--metrics", REWARD_KEY, ENTROPY_KEY, "--out", str(figure), "--title", title], env
+    ):
+        written["figure"] = str(figure)
+    return written
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the sweep
+
+
+def start_local_ray() -> str:
+    """Start a Ray head in this process for the sweep's runs (the CPU backend's environment); its GCS address."""
+    import ray
+
+    from gtpo.cpu import env as cpu_env
+
+    os.environ.update(cpu_env())
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ctx = ray.init(num_cpus=16, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    return ctx.address_info["gcs_address"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list:
+        for name, (method, overrides) in CONFIGURATIONS.items():
+            print(f"{name}: method={method} {' '.join(overrides)}".rstrip())
+        return 0
+    try:
+        names = parse_configs(args.configs)
+        for key in ("seeds", "steps", "window"):
+            if getattr(args, key) < 1:
+                raise ValueError(f"--{key}={getattr(args, key)}: must be >= 1")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = list(range(args.seeds))
+    assets = {s: build_demo_assets(args.cache_dir, seed=s) for s in seeds}
+    address = args.ray_address or start_local_ray()
+    t0 = time.monotonic()
+    results = {
+        "command": "python -m gtpo.cpu.compare " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine(),
+        "steps": args.steps,
+        "seeds": seeds,
+        "window": args.window,
+        "target": args.target,
+        "configurations": {},
+    }
+    seeds_paths: list[tuple[str, Path]] = []
+    for name in names:
+        method, overrides = CONFIGURATIONS[name]
+        runs = []
+        for seed in seeds:
+            run_out = out / name / f"s{seed}"
+            summary = run_demo(
+                assets[seed], method, args.steps, seed, run_out, list(overrides), timeout=args.timeout,
+                ray_address=address, label=f"{name} s{seed}", plots=False, experiment=f"{name}_s{seed}",
+            )  # fmt: skip
+            rec = run_record(run_out / "metrics.jsonl", summary, args.window, args.target)
+            runs.append(rec)
+            seeds_paths.append((name, run_out / "metrics.jsonl"))
+            if rec["returncode"] != 0:
+                print(f"[compare] {name} seed {seed} failed (exit {rec['returncode']}); see {run_out / 'train.log'}")
+        results["configurations"][name] = {
+            "method": method,
+            "overrides": list(overrides),
+            "runs": runs,
+            "aggregate": aggregate(runs, args.steps),
+        }
+        results["wall_s"] = round(time.monotonic() - t0, 1)
+        write_outputs(out, results, seeds_paths)  # after every configuration: a stopped sweep keeps its table
+    written = write_outputs(out, results, seeds_paths)
+    print(markdown_table(results))
+    print(
+        f"[compare] wall time {results['wall_s'] / 60:.1f} min; " + ", ".join(f"{k}: {v}" for k, v in written.items())
+    )
+    failed = [n for n, c in results["configurations"].items() if c["aggregate"]["runs_complete"] < len(seeds)]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

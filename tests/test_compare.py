@@ -1,0 +1,100 @@
+"""The comparison harness (python -m gtpo.cpu.compare): its configurations, its aggregation over seeds by hand, and
+a tiny sweep (dapo and gtpo_traj, one seed, two steps) through verl's real trainer writing the table and figure."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from gtpo.cpu import compare, demo
+
+
+def _write_metrics(path, rewards, entropy=None, step_s=None):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i, r in enumerate(rewards):
+        data = {demo.REWARD_KEY: r}
+        if entropy is not None:
+            data["actor/entropy"] = entropy[i]
+        if step_s is not None:
+            data["timing_s/step"] = step_s[i]
+        lines.append(json.dumps({"step": i + 1, "data": data}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_configurations_cover_the_issue_and_differ_only_in_estimator_knobs():
+    assert set(compare.CONFIGURATIONS) == {
+        "grpo", "dapo", "dapo_forking", "gtpo_zero_fill", "gtpo_joint", "gtpo_split", "grpo_s_zero_fill",
+        "grpo_s_joint", "gtpo_traj_paper", "gtpo_traj_code", "gtpo_conflict_mask",
+    }  # fmt: skip
+    for name, (method, overrides) in compare.CONFIGURATIONS.items():
+        assert name.startswith(method)
+        assert all(o.startswith(f"algorithm.{method}.") for o in overrides), name
+
+
+def test_parse_configs():
+    assert compare.parse_configs("grpo, dapo,grpo") == ["grpo", "dapo"]
+    with pytest.raises(ValueError, match="unknown \\['nope'\\]"):
+        compare.parse_configs("grpo,nope")
+    with pytest.raises(ValueError, match="empty"):
+        compare.parse_configs(" , ")
+
+
+def test_run_record_and_aggregate_by_hand(tmp_path):
+    # seed 0 reaches a 2-step mean >= 0.8 at step 4; seed 1 never does
+    m0, m1 = tmp_path / "s0.jsonl", tmp_path / "s1.jsonl"
+    _write_metrics(m0, [0.0, 0.2, 0.8, 1.0], entropy=[3, 2, 1, 0.5], step_s=[10, 2, 4, 3])
+    _write_metrics(m1, [0.0, 0.4, 0.4, 0.6], entropy=[3, 3, 2, 1.5], step_s=[12, 1, 1, 1])
+    base = {"returncode": 0, "wall_s": 50.0}
+    r0 = compare.run_record(m0, {**base, "seed": 0}, window=2, target=0.8)
+    r1 = compare.run_record(m1, {**base, "seed": 1}, window=2, target=0.8)
+    assert (r0["first_mean"], r0["last_mean"], r0["step_reaching_target"]) == (0.1, 0.9, 4)
+    assert r0["final_entropy"] == 0.75 and r0["s_per_step"] == 3.0  # the first step (start-up) left out
+    assert (r1["first_mean"], r1["last_mean"], r1["step_reaching_target"]) == (0.2, 0.5, None)
+    failed = {**r1, "seed": 2, "returncode": 1, "steps": 1}
+    agg = compare.aggregate([r0, r1, failed], steps=4)
+    assert (agg["runs"], agg["runs_complete"], agg["target_reached"]) == (3, 2, 1)
+    assert math.isclose(agg["first_mean"], 0.15) and math.isclose(agg["first_std"], math.sqrt(0.005))
+    assert math.isclose(agg["last_mean"], 0.7) and math.isclose(agg["last_std"], math.sqrt(0.08))
+    assert agg["step_reaching_target"] == 4.0
+    assert math.isclose(agg["final_entropy"], 1.25) and agg["s_per_step"] == 2.0
+    one = compare.aggregate([r1], steps=4)
+    assert one["last_std"] is None and one["step_reaching_target"] is None
+
+    results = {"window": 2, "target": 0.8, "configurations": {"grpo": {"aggregate": agg}, "dapo": {"aggregate": one}}}
+    table = compare.markdown_table(results).splitlines()
+    assert table[0].startswith("| configuration | runs complete | reward, first 2 steps |")
+    assert table[2] == "| grpo | 2/3 | 0.15 ± 0.07 | 0.70 ± 0.28 | 4 (1/2 seeds) | 1.25 ± 0.71 | 2.0 ± 1.4 |"
+    assert table[3] == "| dapo | 1/1 | 0.20 | 0.50 | never | 1.75 | 1.0 |"
+
+
+E2E_CONFIGS = ("dapo", "gtpo_traj_paper")
+
+
+@pytest.mark.e2e
+def test_tiny_sweep_through_verl_writes_the_table_and_the_figure(ray_cluster, tmp_path):
+    """dapo and gtpo_traj (paper), one seed, two steps each, on the session's Ray cluster."""
+    out = tmp_path / "cmp"
+    rc = compare.main(
+        ["--configs", ",".join(E2E_CONFIGS), "--seeds", "1", "--steps", "2", "--window", "2", "--out", str(out)]
+        + ["--ray-address", ray_cluster.address, "--timeout", "400"]
+    )
+    logs = {c: (out / c / "s0" / "train.log") for c in E2E_CONFIGS}
+    assert rc == 0, {c: p.read_text(errors="replace")[-3000:] for c, p in logs.items() if p.is_file()}
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["configurations"]) == list(E2E_CONFIGS)
+    assert (results["steps"], results["seeds"], results["window"]) == (2, [0], 2)
+    for name, cfg in results["configurations"].items():
+        (run,) = cfg["runs"]
+        assert run["returncode"] == 0 and run["steps"] == 2, name
+        assert 0.0 <= run["first_mean"] <= 1.0 and run["final_entropy"] > 0 and run["s_per_step"] > 0
+        assert cfg["aggregate"]["runs_complete"] == 1
+    # the method's own code ran: gtpo_traj logs its diagnostics, DAPO's reward manager adds acc
+    gtpo_traj_log = (out / "gtpo_traj_paper" / "s0" / "metrics.jsonl").read_text()
+    assert '"gtpo_traj/' in gtpo_traj_log
+    table = (out / "results.md").read_text()
+    assert "| dapo | 1/1 |" in table and "| gtpo_traj_paper | 1/1 |" in table
+    png = (out / "rewards.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
