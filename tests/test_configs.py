@@ -101,16 +101,17 @@ def test_bad_knob_fails_at_startup_with_the_key_named():
 
 def test_grop_hard_group_punishment_ends_at_the_response_length():
     import gtpo.verl_plugin.register  # noqa: F401
-    from gtpo.verl_plugin.validation import load_all_knobs, validate_recipe_config
+    from gtpo.verl_plugin.validation import validate_recipe_config
 
     on = ["method=gtpo", "algorithm.grop.hard_mode=dapo"]
-    cfg = compose(on)
-    validate_recipe_config(cfg)
-    # L_max follows the response length by default, at any scale.
-    assert load_all_knobs(cfg.algorithm)["grop"].dapo_max_length == cfg.data.max_response_length == 4096
-    assert load_all_knobs(compose([*on, "scale=dapo"]).algorithm)["grop"].dapo_max_length == 20480
+    validate_recipe_config(compose(on))  # paper scale: 4096 = the default L_max
+    validate_recipe_config(compose([*on, "scale=dapo", "algorithm.grop.dapo_max_length=20480"]))
+    with pytest.raises(ValueError, match=r"algorithm\.grop\.dapo_max_length=4096 != data\.max_response_length=20480"):
+        validate_recipe_config(compose([*on, "scale=dapo"]))
     with pytest.raises(ValueError, match=r"algorithm\.grop\.dapo_max_length=2048 != data\.max_response_length=4096"):
         validate_recipe_config(compose([*on, "algorithm.grop.dapo_max_length=2048"]))
+    # Unused (hard_mode=none, the default): no constraint.
+    validate_recipe_config(compose(["method=gtpo", "algorithm.grop.dapo_max_length=2048"]))
 
 
 def test_knobs_override_without_plus():
