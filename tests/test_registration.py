@@ -26,6 +26,9 @@ def test_registry_round_trip():
     assert get_adv_estimator_fn("gtpo_traj") is trajectory.compute_gtpo_traj_advantage
     assert callable(get_policy_loss_fn("grpo_s"))
     assert get_trainer_cls("gtpo_sync") is trainer.GTPOTrainerSync
+    assert get_trainer_cls("gtpo_colocate_async") is trainer.GTPOTrainerColocateAsync
+    assert get_trainer_cls("gtpo_separate_async") is trainer.GTPOTrainerSeparateAsync
+    assert set(register.TRAINER_MODES) == {"gtpo_sync", "gtpo_colocate_async", "gtpo_separate_async"}
     assert set(register.ESTIMATORS) == {"gtpo", "grpo_s", "gtpo_traj"}
 
     # Importing again registers nothing new and raises nothing.
@@ -89,11 +92,12 @@ def test_registration_reaches_ray_workers(ray_session, env, expect_recipe_loss):
     names = {
         "loss": ["grpo_s", "gtpo_test_driver_only", "vanilla"],
         "estimator": ["gtpo", "grpo_s", "gtpo_traj", "grpo"],
-        "trainer": ["gtpo_sync", "sync"],
+        "trainer": ["gtpo_sync", "gtpo_colocate_async", "gtpo_separate_async", "sync"],
     }
     found = ray.get(probe.remote(names), timeout=180)
 
     assert found["loss:vanilla"] and found["estimator:grpo"] and found["trainer:sync"], "verl's own entries"
     assert not found["loss:gtpo_test_driver_only"], "a loss registered only in the driver must not exist in a worker"
     recipe = ["loss:grpo_s", "estimator:gtpo", "estimator:grpo_s", "estimator:gtpo_traj", "trainer:gtpo_sync"]
+    recipe += ["trainer:gtpo_colocate_async", "trainer:gtpo_separate_async"]
     assert {key: found[key] for key in recipe} == dict.fromkeys(recipe, expect_recipe_loss)

@@ -1,5 +1,7 @@
 """The gtpo_sync trainer's own logic, without Ray: its mode, its replay buffer, and its advantage step.
 
+The same logic on the two asynchronous trainers: tests/test_async_trainers.py.
+
 .venv/bin/python -m pytest -q tests/test_trainer_unit.py
 """
 

@@ -10,7 +10,8 @@ a GPU. Importing this module registers ``actor_rollout_ref.rollout.name=hf``:
   ``set_global_steps`` and the memory / scheduling controls (``wake_up``, ``sleep``, ``clear_kv_cache``,
   ``release_kv_cache``, ``resume_kv_cache``, ``abort_all_requests``, ``abort_request``, ``resume_generation``,
   ``resume_engine_generation``, ``open_submission_gate``, ``wait_for_requests_to_drain``, ``start_profile``,
-  ``stop_profile``), which are no-ops on CPU because nothing is offloaded and generation is never preempted.
+  ``stop_profile``); the abort / resume calls implement verl's partial rollout (async trainers), the others are
+  no-ops on CPU because nothing is offloaded.
 * :class:`HFReplica` (``RolloutReplica``) starts one server per replica (hybrid mode only: TP = PP = DP = 1).
 * :class:`HFServerAdapter` (``BaseRollout``) lives in the hybrid actor worker; ``update_weights`` gathers the
   FSDP engine's ``(name, tensor)`` stream (HF state-dict keys, full tensors) into one CPU float32 dict and sends

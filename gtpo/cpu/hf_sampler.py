@@ -55,7 +55,7 @@ class GenRequest:
 class GenResult:
     token_ids: list[int]
     log_probs: list[float] | None
-    finish_reason: str  # "stop" (EOS / stop id) or "length"
+    finish_reason: str  # "stop" (EOS / stop id), "length", or "abort" (cut short by ``HFSampler.abort_event``)
 
 
 @dataclass
@@ -102,6 +102,9 @@ class HFSampler:
         self.pad_token_id = int(pad_token_id)
         self.generator = torch.Generator().manual_seed(int(seed))
         self.lock = threading.Lock()
+        # Set from another thread to end the running batch before its next token (partial rollout's abort): the
+        # unfinished rows return what they have with finish_reason "abort".
+        self.abort_event = threading.Event()
 
     @property
     def device(self) -> torch.device:
@@ -200,6 +203,11 @@ class HFSampler:
         past = None
         step_ids, step_pos = input_ids, position_ids
         for _ in range(max(max_new)):
+            if self.abort_event.is_set():
+                for r in rows:
+                    if not r.done:
+                        r.done, r.finish_reason = True, "abort"
+                break
             out = self.model(
                 input_ids=step_ids,
                 attention_mask=attn,

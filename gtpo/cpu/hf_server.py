@@ -6,8 +6,11 @@ the next one. Deviations from vLLM: no continuous batching, no prefix cache, no 
 (``lora.merge=True`` works because merged weights arrive as plain tensors), no multimodal input, no
 ``stop`` strings (token ids only); unknown sampling keys are reported once in the log.
 
-The controls verl calls on every server (``wake_up``, ``sleep``, the KV-cache and abort calls, profiling) are
-no-ops on CPU because nothing is offloaded and generation is never preempted.
+Partial rollout (verl's async trainers): ``abort_all_requests`` closes the submission gate, ends the running batch
+before its next token and answers every unfinished request with what it has and ``stop_reason="aborted"``;
+verl's ``FullyAsyncLLMServerClient`` resubmits prompt + partial response, which waits at the gate until
+``resume_generation`` (under ``reject_request=True`` it is answered at once as aborted, to be re-routed). The other
+controls (``wake_up``, ``sleep``, the KV-cache calls, profiling) are no-ops on CPU because nothing is offloaded.
 """
 
 from __future__ import annotations
@@ -118,6 +121,10 @@ class HFRolloutServer:
         self.sampler = sampler
         self._queue: list[tuple[GenRequest, asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
+        # Submission gate of partial rollout: set = open; closed by abort_all_requests until resume_generation.
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._reject_requests = False
 
     def _build_sampler(self, config: Any, model_config: Any) -> HFSampler:
         from verl.utils.config import omega_conf_to_dataclass
@@ -196,23 +203,29 @@ class HFRolloutServer:
         if image_data or video_data or audio_data:
             raise ValueError("the hf rollout does not support multimodal input (image/video/audio data given)")
         req = self.make_request(prompt_ids, sampling_params)
+        while not self._gate.is_set():
+            if self._reject_requests:  # as vLLM's server: an empty aborted answer tells the client to re-route
+                return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted", num_preempted=0,
+                                   extra_fields={"global_steps": self.global_steps})  # fmt: skip
+            await self._gate.wait()
         future = asyncio.get_running_loop().create_future()
         self._queue.append((req, future))
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
-        result: GenResult = await future
+        result, global_steps = await future
         return TokenOutput(
             token_ids=result.token_ids,
             log_probs=result.log_probs,
-            stop_reason="completed",
+            stop_reason="aborted" if result.finish_reason == "abort" else "completed",
             num_preempted=0,
-            extra_fields={"global_steps": self.global_steps},
+            extra_fields={"global_steps": global_steps},
         )
 
     async def _drain(self) -> None:
         while self._queue:
             await asyncio.sleep(_BATCH_COLLECT_S)
             batch, self._queue = self._queue, []
+            version = self.global_steps  # weights cannot change during a batch (the sampler's lock)
             try:
                 results = await asyncio.to_thread(self.sampler.generate, [req for req, _ in batch])
             except Exception as exc:  # deliver the error to every waiting request
@@ -222,7 +235,7 @@ class HFRolloutServer:
                 continue
             for (_, fut), res in zip(batch, results, strict=True):
                 if not fut.done():
-                    fut.set_result(res)
+                    fut.set_result((res, version))
 
     # -- weights -------------------------------------------------------------------------------------------------
 
@@ -240,7 +253,37 @@ class HFRolloutServer:
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
 
-    # -- controls verl calls on every server; nothing to free or pause on CPU ------------------------------------
+    # -- partial rollout ------------------------------------------------------------------------------------------
+
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
+        """Close the gate, cut the running batch short, answer every unfinished request as aborted."""
+        self._gate.clear()
+        self._reject_requests = bool(reject_request)
+        queued, self._queue = self._queue, []
+        for req, fut in queued:  # not started: nothing generated yet
+            if not fut.done():
+                fut.set_result((GenResult([], [] if req.logprobs else None, "abort"), self.global_steps))
+        running = self._worker is not None and not self._worker.done()
+        self.sampler.abort_event.set()
+        try:
+            if running:
+                await self._worker
+        finally:
+            self.sampler.abort_event.clear()
+        return {"aborted_count": len(queued) + int(running), "request_ids": []}
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
+        return {"aborted": False, "request_id": request_id, "error": "hf rollout aborts all requests only"}
+
+    async def resume_generation(self) -> None:
+        """Resume after ``abort_all_requests``: resubmitted requests (and new ones) are generated again."""
+        await self.open_submission_gate()
+
+    async def open_submission_gate(self) -> None:
+        self._reject_requests = False
+        self._gate.set()
+
+    # -- controls verl calls on every server; nothing to free on CPU ---------------------------------------------
 
     def get_server_address(self) -> tuple[str, int]:
         return "127.0.0.1", 0
@@ -264,20 +307,7 @@ class HFRolloutServer:
         while self._queue or (self._worker is not None and not self._worker.done()):
             await asyncio.sleep(0.01)
 
-    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
-        # Batches run to completion (a few hundred ms on the tiny model); sync trainers never abort mid-rollout.
-        return {"aborted_count": 0, "request_ids": []}
-
-    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
-        return {"aborted": False, "request_id": request_id, "error": "hf rollout does not abort requests"}
-
-    async def resume_generation(self) -> None:
-        return None
-
     async def resume_engine_generation(self) -> None:
-        return None
-
-    async def open_submission_gate(self) -> None:
         return None
 
     async def start_profile(self, **kwargs: Any) -> None:

@@ -281,10 +281,12 @@ def run_dry(config: DictConfig) -> None:
     _check_registries(cfg)
     from verl.trainer.ppo.utils import need_reference_policy
 
+    from gtpo.verl_plugin.async_checks import check_trainer_mode
     from gtpo.verl_plugin.validation import check_overlong_shaping
 
     plan = batch_plan(cfg, use_reference_policy=bool(need_reference_policy(cfg)))
     check_overlong_shaping(cfg)
+    check_trainer_mode(cfg)
     use_ref, use_critic, verl_out = _verl_validate(cfg)
 
     actor = cfg.actor_rollout_ref.actor

@@ -78,8 +78,9 @@ def _common_inputs(name: str, token_level_rewards, response_mask, index, entropy
     """Validate the verl-side inputs; return ``(rewards [B], mask [B, L] (dtype as given), gid [B], num_groups)``."""
     if entropy is None:
         raise ValueError(
-            f"adv_estimator={name} needs the old policy's per-token entropy, got entropy=None (run the recipe's "
-            "trainer, trainer.v1.trainer_mode=gtpo_sync; rollout_correction.bypass_mode computes no entropy)"
+            f"adv_estimator={name} needs the old policy's per-token entropy, got entropy=None (run one of the "
+            "recipe's trainers, trainer.v1.trainer_mode=gtpo_sync, gtpo_colocate_async or gtpo_separate_async; "
+            "rollout_correction.bypass_mode computes no entropy)"
         )
     if index is None:
         raise ValueError(f"adv_estimator={name} needs index (the uid of each row's prompt group), got None")

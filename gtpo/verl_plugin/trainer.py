@@ -1,278 +1,65 @@
-"""``gtpo_sync``: verl's v1 ``PPOTrainerSync`` with entropy and token ids handed to the recipe's estimators.
+"""The recipe's three trainer modes: :class:`~gtpo.verl_plugin.trainer_mixin.GTPOTrainerMixin` on each v1 trainer.
 
-verl 0.9.1 computes the old policy's per-token entropy in the old-log-prob pass and stores it in TransferQueue,
-but ``PPOTrainer._compute_advantage`` fetches neither it nor the response token ids, and passes an estimator only
-``token_level_rewards, response_mask, index, config``. This subclass overrides that one method. For the recipe's
-estimators (``gtpo``, ``grpo_s``, ``gtpo_traj``) it:
+* ``gtpo_sync`` on ``PPOTrainerSync``: generate, then train; weights synced every step.
+* ``gtpo_colocate_async`` on ``PPOTrainerColocateAsync``: partial rollout on the training GPUs. Generation runs
+  ahead (``trainer.v1.colocate_async.num_warmup_batches``), is aborted while a step trains and resumed with the
+  new weights, so a response may span policy versions.
+* ``gtpo_separate_async`` on ``PPOTrainerSeparateAsync``: a standalone rollout pool
+  (``actor_rollout_ref.rollout.nnodes`` x ``n_gpus_per_node``) generates while the trainer trains; weights go over
+  a checkpoint engine (nccl, ...) after every ``trainer.v1.separate_async.parameter_sync_step`` mini-batches.
 
-1. fetches the base method's fields plus ``entropy`` and ``responses`` (no extra forward pass);
-2. keeps the base class's steps: KL-in-reward (``algorithm.use_kl_in_reward``) and rollout correction
-   (IS weights / rejection sampling in decoupled mode);
-3. calls the registered estimator with ``entropy=``, ``responses=`` and ``metrics=`` keyword arguments, on the real
-   rows only (verl's synthetic padding rows, tagged ``is_padding``, get zero advantage and stay out of the
-   statistics);
-4. writes advantages and returns back, as the base method does.
-
-Every other estimator (``grpo``, ``gae``, ...) goes through the base method unchanged, so baselines run the
-exact verl code path.
-
-Resume: each checkpoint also gets the recipe's state (``checkpoint_state``: ``gtpo_traj``'s measured ``<H>_ini``),
-restored on resume; a resumed run appends to verl's ``file`` logger instead of truncating it (``file_log``).
+Each class reports its base class's mode (``trainer_mode``), so verl's mode-dependent branches (replay buffer
+class, dataloader refill, checkpointing of in-flight prompts, the ``trainer.v1.<mode>`` block) behave exactly as for
+the unmodified trainer. ``configs/trainer/{sync,colocate_async,separate_async}.yaml`` select them (``trainer=...``).
 """
 
 from __future__ import annotations
 
-import os
-
-import numpy as np
-import torch
-import transfer_queue as tq
-from tensordict import TensorDict
-from transfer_queue import KVBatchMeta
-from verl.protocol import DataProto
-from verl.trainer.ppo.core_algos import get_adv_estimator_fn
-from verl.trainer.ppo.ray_trainer import apply_kl_penalty
-from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
-from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
-from verl.utils.debug import marked_timer
-from verl.workers.utils.padding import response_to_nested
 
-from gtpo.verl_plugin import checkpoint_state, file_log, forking, startup_checks
-from gtpo.verl_plugin.dynamic_sampling import bound_generation_rounds
+from gtpo.verl_plugin.trainer_mixin import RECIPE_ESTIMATORS, GTPOTrainerMixin
 
+__all__ = [
+    "RECIPE_ESTIMATORS",
+    "TRAINER_MODE",
+    "TRAINER_MODES",
+    "GTPOTrainerColocateAsync",
+    "GTPOTrainerSeparateAsync",
+    "GTPOTrainerSync",
+]
+
+# The default mode (recipe/gtpo/config/gtpo_trainer.yaml).
 TRAINER_MODE = "gtpo_sync"
 
-# Estimators registered by this recipe that take the extra keyword arguments.
-RECIPE_ESTIMATORS = frozenset({"gtpo", "grpo_s", "gtpo_traj"})
+
+@register_trainer("gtpo_sync")
+class GTPOTrainerSync(GTPOTrainerMixin, PPOTrainerSync):
+    """verl's sync trainer with the recipe's behaviour."""
+
+    REGISTERED_MODE = "gtpo_sync"
+    VERL_MODE = "sync"
 
 
-@register_trainer(TRAINER_MODE)
-class GTPOTrainerSync(PPOTrainerSync):
-    """v1 sync trainer whose advantage step feeds old-policy entropy and token ids to the recipe's estimators.
+@register_trainer("gtpo_colocate_async")
+class GTPOTrainerColocateAsync(GTPOTrainerMixin, PPOTrainerColocateAsync):
+    """verl's colocated asynchronous trainer (partial rollout) with the recipe's behaviour."""
 
-    Also: DAPO's ``max_num_gen_batches`` round limit (verl 0.9.1 ignores it), the forking-token loss in the actor
-    workers (``algorithm.forking.enable``), per-token dumps for ``python -m gtpo.viz tokens``, and paper A's
-    Table 1 columns (unbiased Mean@32 / Pass@4 / Pass@32) in validation.
-    """
+    REGISTERED_MODE = "gtpo_colocate_async"
+    VERL_MODE = "colocate_async"
 
-    # verl's base class branches on ``self.trainer_mode == "sync"`` (replay buffer class, dataloader refill,
-    # checkpoint load/save) and would treat any other registry name as an async trainer. This class is registered
-    # as ``gtpo_sync`` but *is* the sync trainer, so it always reports "sync".
-    @property
-    def trainer_mode(self) -> str:
-        return "sync"
 
-    @trainer_mode.setter
-    def trainer_mode(self, value: str) -> None:
-        if value != TRAINER_MODE:
-            raise ValueError(f"trainer.v1.trainer_mode={value!r} selects another trainer than {TRAINER_MODE}")
+@register_trainer("gtpo_separate_async")
+class GTPOTrainerSeparateAsync(GTPOTrainerMixin, PPOTrainerSeparateAsync):
+    """verl's separate asynchronous trainer (standalone rollout pool) with the recipe's behaviour."""
 
-    def _build_replay_buffer(self):
-        buffer = super()._build_replay_buffer()
-        # verl's ReplayBuffer polls TransferQueue every 2 s with no config key; a step whose generation takes less
-        # (the CPU backend, small debug runs) would wait for nothing. trainer.v1.sampler.sampler_kwargs.poll_interval
-        # sets it (verl stores sampler_kwargs on the buffer but does not read this key).
-        poll_interval = self.config.trainer.v1.sampler.get("sampler_kwargs", {}).get("poll_interval", None)
-        if poll_interval is not None:
-            if not float(poll_interval) > 0:
-                raise ValueError(f"trainer.v1.sampler.sampler_kwargs.poll_interval={poll_interval!r}: must be > 0 s")
-            buffer.poll_interval = float(poll_interval)
-        return bound_generation_rounds(buffer, self.config.algorithm)
+    REGISTERED_MODE = "gtpo_separate_async"
+    VERL_MODE = "separate_async"
 
-    def on_init_end(self):
-        super().on_init_end()
-        startup_checks.check_reward_workers(self)
-        # Installs the forking-token loss in every actor worker; None unless algorithm.forking.enable.
-        self._forking = forking.install(self)
 
-    def fit(self, agent_loop_manager):
-        # A resumed run keeps the file logger's earlier records (verl opens the file with "wb").
-        self._file_log_history = None
-        if self.global_steps > 0 and file_log.uses_file_logger(self.config.trainer.get("logger", None)):
-            path = file_log.file_logger_path(self.config.trainer.project_name, self.config.trainer.experiment_name)
-            self._file_log_history = file_log.FileLogHistory(path)
-            self._file_log_history.set_aside()
-        return super().fit(agent_loop_manager)
-
-    # verl's fit() builds its Tracking and assigns it to self.logger: the hook where the kept history is put back
-    # under the freshly opened file logger, before anything is logged.
-    @property
-    def logger(self):
-        try:
-            return self.__dict__["_tracking"]
-        except KeyError:
-            raise AttributeError("logger") from None
-
-    @logger.setter
-    def logger(self, tracking) -> None:
-        history = self.__dict__.pop("_file_log_history", None)
-        if history is not None:
-            history.reattach(tracking)
-        self.__dict__["_tracking"] = tracking
-
-    def _save_checkpoint(self):
-        # The recipe's state first: verl writes latest_checkpointed_iteration.txt last, so a tracked checkpoint
-        # always holds it.
-        folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
-        checkpoint_state.save_state(folder, self.global_steps)
-        super()._save_checkpoint()
-
-    def _load_checkpoint(self):
-        super()._load_checkpoint()
-        if self.global_steps > 0:
-            folder = self._resumed_checkpoint_folder()
-            restored = checkpoint_state.restore_state(folder, self.config.algorithm)
-            print(f"gtpo: resumed from {folder} at step {self.global_steps}; recipe state restored: {restored}")
-
-    def _resumed_checkpoint_folder(self) -> str:
-        """The ``global_step_<N>`` folder verl's ``_load_checkpoint`` resumed from (same resolution rules)."""
-        trainer_cfg = self.config.trainer
-        if trainer_cfg.resume_mode == "resume_path":
-            folder = os.path.abspath(trainer_cfg.resume_from_path)
-        else:
-            folder = find_latest_ckpt_path(os.path.abspath(trainer_cfg.default_local_dir))
-        if folder is None or os.path.basename(os.path.normpath(folder)) != f"global_step_{self.global_steps}":
-            raise RuntimeError(f"resumed at step {self.global_steps} but the checkpoint folder resolves to {folder}")
-        return folder
-
-    def _update_actor(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
-        params = getattr(self, "_forking", None)
-        if params is not None and params.scope == "batch":
-            # Whole-batch quantile of the old-policy entropy, handed to the workers' loss through extra_info.
-            data = tq.kv_batch_get(
-                keys=batch.keys, partition_id=batch.partition_id, select_fields=["entropy", "response_mask"]
-            )
-            info = forking.batch_threshold_extra_info(
-                data["entropy"].to_padded_tensor(0.0), data["response_mask"].to_padded_tensor(0), params.rho
-            )
-            batch.extra_info.update(info)
-            metrics["forking/batch_entropy_threshold"] = info[forking.THRESHOLD_KEY]
-            metrics["forking/batch_selected_frac"] = info[forking.FRACTION_KEY]
-        return super()._update_actor(batch, metrics)
-
-    def _log_rollout_data(self, batch: KVBatchMeta, timing_raw: dict, rollout_data_dir: str):
-        """verl's text dump ``<step>.jsonl``, plus ``tokens_<step>.jsonl`` with per-token advantages and entropy.
-
-        Read by ``python -m gtpo.viz tokens``; a few groups per step, so it costs milliseconds. With ``tensorboard``
-        or ``wandb`` in ``trainer.logger``, the step's heatmap also goes to the tracker (:mod:`gtpo.viz.tracker`).
-        """
-        from gtpo.viz.dump_writer import records_from_batch, write_token_dump
-        from gtpo.viz.tracker import log_token_heatmap, wants_heatmap
-
-        super()._log_rollout_data(batch, timing_raw, rollout_data_dir)
-        with marked_timer("dump_token_records", timing_raw, color="green"):
-            keys = [k for k, tag in zip(batch.keys, batch.tags) if not tag.get("is_padding", False)]
-            fields = ["uid", "prompts", "responses", "rm_scores", "advantages", "extra_fields"]
-            rollout_corr = self.config.algorithm.get("rollout_correction", None)
-            if not (rollout_corr and rollout_corr.get("bypass_mode", False)):
-                fields.append("entropy")  # bypass mode computes no old-policy entropy
-            data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=fields)
-            records = records_from_batch(
-                data, tokenizer=self.tokenizer, step=self.global_steps, keys=keys, max_groups=8
-            )
-            write_token_dump(records, os.path.join(rollout_data_dir, f"tokens_{self.global_steps}.jsonl"))
-        if wants_heatmap(self.logger):
-            with marked_timer("log_token_heatmap", timing_raw, color="green"):
-                log_token_heatmap(self.logger, records, self.global_steps, os.path.join(rollout_data_dir, "heatmaps"))
-
-    def _val_metrics_update(
-        self, data_sources, sample_uids, reward_extra_infos_dict, sample_turns, expected_acc_counts=None
-    ) -> dict[str, float]:
-        """verl's validation metrics plus paper A's Table 1 columns and the unbiased pass@k ladder.
-
-        ``val-core/<data_source>/acc/{Mean@32,Pass@4,Pass@32}`` (paper A, Table 1; unbiased pass@k of Chen et al.
-        2021) and ``val-aux/<data_source>/acc/pass@{1,2,4,...}`` sit beside verl's bootstrap ``best@k``. With
-        ``trainer.validation_data_dir`` set, ``<step>.data_sources.json`` (prompt uid -> data_source) is written
-        beside verl's ``<step>.jsonl`` dump, so ``python -m gtpo.eval`` needs no ``--data`` to split benchmarks.
-        """
-        from gtpo.eval.metrics import validation_pass_at_k, validation_table1
-
-        metrics = super()._val_metrics_update(
-            data_sources, sample_uids, reward_extra_infos_dict, sample_turns, expected_acc_counts=expected_acc_counts
-        )
-        accs = reward_extra_infos_dict["acc"] if "acc" in reward_extra_infos_dict else reward_extra_infos_dict["reward"]
-        # Failed sessions count as incorrect, as in verl's own acc.
-        counts = expected_acc_counts
-        metrics.update(validation_table1(data_sources, sample_uids, accs, expected_counts=counts))
-        metrics.update(validation_pass_at_k(data_sources, sample_uids, accs, expected_counts=counts, section="val-aux"))
-        val_data_dir = self.config.trainer.get("validation_data_dir", None)
-        if val_data_dir:
-            from gtpo.eval.sources import write_data_sources
-
-            write_data_sources(val_data_dir, self.global_steps, sample_uids, data_sources)
-        return metrics
-
-    def _compute_advantage(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
-        algorithm = self.config.algorithm
-        if str(algorithm.adv_estimator) not in RECIPE_ESTIMATORS:
-            return super()._compute_advantage(batch, metrics)
-
-        fields = ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "ref_log_prob", "values"]
-        fields += ["entropy", "responses"]
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-        nested_response_mask = data["response_mask"]
-        data = DataProto(batch=data.to_padded_tensor())
-        data.batch["token_level_scores"] = data.batch["rm_scores"]
-        data.non_tensor_batch["uid"] = np.array(data.batch.pop("uid").tolist(), dtype=object)
-
-        # (1) KL in reward, exactly as the base class.
-        if algorithm.use_kl_in_reward:
-            data, kl_metrics = apply_kl_penalty(data, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=algorithm.kl_penalty)
-            metrics.update(kl_metrics)
-        else:
-            data.batch["token_level_rewards"] = data.batch["token_level_scores"]
-
-        # (2) Rollout correction, exactly as the base class (decoupled mode only).
-        rollout_corr_config = algorithm.get("rollout_correction", None)
-        bypass = bool(rollout_corr_config and rollout_corr_config.get("bypass_mode", False))
-        rollout_correction = rollout_corr_config is not None and "rollout_log_probs" in data.batch and not bypass
-        if rollout_correction:
-            data, is_metrics = compute_rollout_correction_and_add_to_batch(data, rollout_corr_config)
-            metrics.update(is_metrics)
-
-        # (3) The estimator, on the real rows only.
-        data.batch["advantages"], data.batch["returns"] = self._recipe_advantages(data, batch, metrics)
-
-        # (4) Write back, as the base class.
-        out_fields = ["advantages", "returns"]
-        if algorithm.use_kl_in_reward:
-            out_fields.append("token_level_rewards")
-        if rollout_correction:
-            out_fields.append("response_mask")
-            if "rollout_is_weights" in data.batch:
-                out_fields.append("rollout_is_weights")
-        output = {f: response_to_nested(data.batch[f], nested_response_mask) for f in out_fields}
-        return tq.kv_batch_put(
-            keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(output, batch_size=len(batch))
-        )
-
-    def _recipe_advantages(
-        self, data: DataProto, batch: KVBatchMeta, metrics: dict
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the registered estimator on the real rows; verl's synthetic padding rows get zeros."""
-        algorithm = self.config.algorithm
-        token_level_rewards = data.batch["token_level_rewards"]
-        real = torch.as_tensor([not tag.get("is_padding", False) for tag in batch.tags], dtype=torch.bool)
-        rows = real.nonzero(as_tuple=True)[0]
-
-        def real_rows(name: str) -> torch.Tensor | None:
-            return data.batch[name][rows] if name in data.batch.keys() else None
-
-        estimator = get_adv_estimator_fn(str(algorithm.adv_estimator))
-        adv_real, ret_real = estimator(
-            token_level_rewards=token_level_rewards[rows],
-            response_mask=data.batch["response_mask"][rows],
-            index=data.non_tensor_batch["uid"][rows.numpy()],
-            config=algorithm,
-            entropy=real_rows("entropy"),
-            responses=real_rows("responses"),
-            metrics=metrics,
-            global_steps=self.global_steps,
-        )
-        advantages = torch.zeros(token_level_rewards.shape, dtype=adv_real.dtype)
-        returns = torch.zeros(token_level_rewards.shape, dtype=ret_real.dtype)
-        advantages[rows] = adv_real
-        returns[rows] = ret_real
-        return advantages, returns
+# Registered name -> the verl mode its base class expects.
+TRAINER_MODES: dict[str, str] = {
+    cls.REGISTERED_MODE: cls.VERL_MODE for cls in (GTPOTrainerSync, GTPOTrainerColocateAsync, GTPOTrainerSeparateAsync)
+}

@@ -102,13 +102,14 @@ def compute_gtpo_traj_advantage(
     """
     if entropy is None:
         raise ValueError(
-            "gtpo_traj needs the per-token entropy (entropy=None): run it with trainer.v1.trainer_mode=gtpo_sync "
-            "and without algorithm.rollout_correction.bypass_mode (bypass mode computes no entropy)"
+            "gtpo_traj needs the per-token entropy (entropy=None): run it with one of the recipe's trainers "
+            "(trainer.v1.trainer_mode=gtpo_sync, gtpo_colocate_async or gtpo_separate_async) and without "
+            "algorithm.rollout_correction.bypass_mode (bypass mode computes no entropy)"
         )
     if responses is None:
         raise ValueError(
-            "gtpo_traj needs the response token ids (responses=None) to find conflict tokens: run it with "
-            "trainer.v1.trainer_mode=gtpo_sync"
+            "gtpo_traj needs the response token ids (responses=None) to find conflict tokens: run it with one of "
+            "the recipe's trainers (trainer.v1.trainer_mode=gtpo_sync, gtpo_colocate_async or gtpo_separate_async)"
         )
     if index is None:
         raise ValueError("gtpo_traj needs index (the uid of each row) to form groups; got index=None")

@@ -79,7 +79,7 @@ def validate_recipe_config(config: DictConfig) -> None:
     """Validate the recipe-specific parts of a composed trainer config."""
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
 
-    from gtpo.verl_plugin.trainer import RECIPE_ESTIMATORS, TRAINER_MODE
+    from gtpo.verl_plugin.async_checks import check_trainer_mode
 
     algorithm = config.algorithm
     estimator = str(algorithm.adv_estimator)
@@ -95,13 +95,7 @@ def validate_recipe_config(config: DictConfig) -> None:
 
     knobs = load_all_knobs(algorithm)
     check_overlong_shaping(config)
-    trainer_mode = config.trainer.get("v1", {}).get("trainer_mode", "sync")
     grop_on = bool(knobs["grop"].enable)
-    if estimator in RECIPE_ESTIMATORS and trainer_mode != TRAINER_MODE:
-        raise ValueError(
-            f"trainer.v1.trainer_mode={trainer_mode!r}: algorithm.adv_estimator={estimator!r} needs "
-            f"trainer.v1.trainer_mode={TRAINER_MODE} (the trainer that hands it the old-policy entropy)"
-        )
     if not config.trainer.get("use_v1", True):
         raise ValueError("trainer.use_v1=False: the gtpo recipe runs on verl's v1 trainer only")
     if grop_on and estimator not in GROP_COMPATIBLE:
@@ -117,20 +111,10 @@ def validate_recipe_config(config: DictConfig) -> None:
             "DAPO's punishment of hard groups must end where the rollout truncates"
         )
     forking = knobs["forking"]
-    if forking.enable and trainer_mode != TRAINER_MODE:
-        raise ValueError(
-            f"algorithm.forking.enable=true with trainer.v1.trainer_mode={trainer_mode!r}: the forking-token loss "
-            f"is installed by trainer.v1.trainer_mode={TRAINER_MODE}"
-        )
     actor = config.actor_rollout_ref.actor
     if forking.enable and forking.scope == "micro_batch" and not actor.get("calculate_entropy", False):
         raise ValueError(
             "algorithm.forking.scope=micro_batch with actor_rollout_ref.actor.calculate_entropy=false: the "
             "training policy's entropy selects the tokens, so the actor must compute it"
         )
-    rollout_corr = algorithm.get("rollout_correction", None)
-    if estimator in RECIPE_ESTIMATORS and rollout_corr is not None and rollout_corr.get("bypass_mode", False):
-        raise ValueError(
-            f"algorithm.rollout_correction.bypass_mode=true with algorithm.adv_estimator={estimator!r}: bypass mode "
-            "skips the old-log-prob pass, which is where verl computes the per-token entropy this estimator needs"
-        )
+    check_trainer_mode(config)  # recipe modes, bypass mode, verl's per-mode constraints

@@ -1,0 +1,156 @@
+"""Config-time checks of the trainer mode: which modes can feed the recipe, and verl's own constraints per mode.
+
+Run by :func:`gtpo.verl_plugin.validation.validate_recipe_config` (the entry point, before Ray starts) and by the
+dry run. verl 0.9.1 checks most of these only inside ``PPOTrainerSeparateAsync.__init__`` (asserts in the
+TaskRunner, after Ray and the workers' resource pools are up) or not at all; here each failure is a
+``ValueError`` naming the key and its value.
+
+What the recipe needs (docs: README, "Asynchronous training"):
+
+* the recipe's estimators and the forking loss run only under the recipe's modes ``gtpo_sync``,
+  ``gtpo_colocate_async``, ``gtpo_separate_async`` (verl's own ``sync`` / ``*_async`` trainers drop the entropy
+  and the token ids);
+* they use the entropy recomputed in verl's old-log-prob pass, which rollout correction's ``bypass_mode`` skips;
+* DAPO's ``max_num_gen_batches`` round limit bounds verl's *sync* replay buffer only; the async buffers refill
+  every evicted group as it is evicted, and the limit would be silently ignored there.
+
+verl's constraints per mode (``verl/trainer/ppo/v1/trainer_{base,separate_async}.py``):
+
+* every mode: ``data.train_batch_size`` divisible by the mode's ``parameter_sync_step``;
+  ``actor_rollout_ref.hybrid_engine=false`` only under ``separate_async``;
+* ``separate_async``: ``train_batch_size == parameter_sync_step * ppo_mini_batch_size``, a standalone rollout pool
+  (``actor_rollout_ref.rollout.nnodes`` and ``n_gpus_per_node`` > 0), a checkpoint engine other than ``naive``,
+  and a reward model, if any, in its own resource pool.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["check_trainer_mode", "verl_mode"]
+
+# verl's own registered modes, for the checks that apply whichever class runs them.
+VERL_MODES = ("sync", "colocate_async", "separate_async")
+
+
+def verl_mode(trainer_mode: str) -> str | None:
+    """The verl mode behind ``trainer.v1.trainer_mode`` (``gtpo_colocate_async`` -> ``colocate_async``), or None."""
+    from gtpo.verl_plugin.trainer import TRAINER_MODES
+
+    if trainer_mode in TRAINER_MODES:
+        return TRAINER_MODES[trainer_mode]
+    return trainer_mode if trainer_mode in VERL_MODES else None
+
+
+def _value(config: DictConfig, key: str, default: object = None) -> object:
+    """``key`` of ``config``; a ``???`` left unset raises a ValueError naming it."""
+    if _is_missing(config, key):
+        raise ValueError(f"{key}=???: must be set for trainer.v1.trainer_mode={config.trainer.v1.trainer_mode}")
+    return OmegaConf.select(config, key, default=default)
+
+
+def _is_missing(config: DictConfig, key: str) -> bool:
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(config, parent, default=None) if parent else config
+    return isinstance(node, DictConfig) and leaf in node and OmegaConf.is_missing(node, leaf)
+
+
+def check_recipe_needs(config: DictConfig, estimator: str, forking_enable: bool, forking_scope: str) -> None:
+    """The recipe's estimators and the forking loss need a recipe mode and the old-log-prob pass."""
+    from gtpo.verl_plugin.trainer import RECIPE_ESTIMATORS, TRAINER_MODES
+
+    mode = str(config.trainer.v1.trainer_mode)
+    modes = ", ".join(TRAINER_MODES)
+    if estimator in RECIPE_ESTIMATORS and mode not in TRAINER_MODES:
+        raise ValueError(
+            f"trainer.v1.trainer_mode={mode!r}: algorithm.adv_estimator={estimator!r} needs one of the recipe's "
+            f"trainer modes ({modes}; the ones that hand it the old-policy entropy), e.g. trainer=colocate_async"
+        )
+    if forking_enable and mode not in TRAINER_MODES:
+        raise ValueError(
+            f"algorithm.forking.enable=true with trainer.v1.trainer_mode={mode!r}: the forking-token loss is "
+            f"installed by the recipe's trainer modes ({modes})"
+        )
+    rollout_corr = config.algorithm.get("rollout_correction", None)
+    if rollout_corr is None or not rollout_corr.get("bypass_mode", False):
+        return
+    why = "bypass mode skips the old-log-prob pass, which is where verl computes the per-token entropy"
+    if estimator in RECIPE_ESTIMATORS:
+        raise ValueError(
+            f"algorithm.rollout_correction.bypass_mode=true with algorithm.adv_estimator={estimator!r}: {why} this "
+            "estimator needs (use decoupled mode: bypass_mode=false)"
+        )
+    if forking_enable and forking_scope == "batch":
+        raise ValueError(
+            f"algorithm.rollout_correction.bypass_mode=true with algorithm.forking.scope=batch: {why} whose batch "
+            "quantile selects the forking tokens (use scope=micro_batch or bypass_mode=false)"
+        )
+
+
+def check_verl_mode_constraints(config: DictConfig) -> None:
+    """verl's own constraints for the selected mode (see the module docstring)."""
+    trainer_mode = str(config.trainer.v1.trainer_mode)
+    mode = verl_mode(trainer_mode)
+    if mode is None:
+        return  # an unknown mode is reported by the registry check
+    hybrid_engine = bool(_value(config, "actor_rollout_ref.hybrid_engine", True))
+    if not hybrid_engine and mode != "separate_async":
+        raise ValueError(
+            f"actor_rollout_ref.hybrid_engine=false with trainer.v1.trainer_mode={trainer_mode}: only separate_async "
+            "has a standalone rollout pool to serve generation"
+        )
+    train_batch_size = _value(config, "data.train_batch_size")
+    sync_key = f"trainer.v1.{mode}.parameter_sync_step"
+    parameter_sync_step = _value(config, sync_key, 1)
+    if isinstance(parameter_sync_step, bool) or not isinstance(parameter_sync_step, int) or parameter_sync_step < 1:
+        raise ValueError(f"{sync_key}={parameter_sync_step!r}: must be a positive integer")
+    if train_batch_size % parameter_sync_step:
+        raise ValueError(
+            f"data.train_batch_size={train_batch_size} is not divisible by {sync_key}={parameter_sync_step}"
+        )
+    filter_groups = config.algorithm.get("filter_groups", None) or {}
+    rounds = filter_groups.get("max_num_gen_batches", 0) or 0
+    if mode != "sync" and filter_groups.get("enable", False) and rounds > 0:
+        raise ValueError(
+            f"algorithm.filter_groups.max_num_gen_batches={rounds} with trainer.v1.trainer_mode={trainer_mode}: the "
+            "round limit bounds verl's sync replay buffer only (the async buffers refill every evicted group); set "
+            "it to 0 (the async presets do)"
+        )
+    if mode != "separate_async":
+        return
+    mini_batch = _value(config, "actor_rollout_ref.actor.ppo_mini_batch_size")
+    if train_batch_size != parameter_sync_step * mini_batch:
+        raise ValueError(
+            f"data.train_batch_size={train_batch_size} != {sync_key}={parameter_sync_step} x "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}: separate_async syncs weights after "
+            f"parameter_sync_step mini-batches of one step (e.g. {sync_key}={max(1, train_batch_size // mini_batch)})"
+        )
+    for key in ("actor_rollout_ref.rollout.nnodes", "actor_rollout_ref.rollout.n_gpus_per_node"):
+        value = _value(config, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{key}={value!r}: separate_async needs a standalone rollout pool of its own nodes / GPUs (a "
+                f"positive count, on top of trainer.nnodes x trainer.n_gpus_per_node), e.g. {key}=1"
+            )
+    backend = _value(config, "actor_rollout_ref.rollout.checkpoint_engine.backend", "naive")
+    if backend == "naive":
+        raise ValueError(
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=naive: separate_async sends weights to another "
+            "resource pool; use nccl (or nixl, mooncake, hccl)"
+        )
+    if _value(config, "reward.reward_model.enable", False) and not _value(
+        config, "reward.reward_model.enable_resource_pool", False
+    ):
+        raise ValueError(
+            "reward.reward_model.enable_resource_pool=false with trainer.v1.trainer_mode="
+            f"{trainer_mode}: the standalone rollout never pauses to free the GPUs a colocated reward model needs"
+        )
+
+
+def check_trainer_mode(config: DictConfig) -> None:
+    """Every trainer-mode check above, on a composed (resolved or not) config."""
+    from gtpo.verl_plugin.forking import load_params
+
+    forking = load_params(config.algorithm)
+    check_recipe_needs(config, str(config.algorithm.adv_estimator), bool(forking.enable), str(forking.scope))
+    check_verl_mode_constraints(config)

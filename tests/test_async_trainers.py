@@ -1,0 +1,364 @@
+"""The recipe's trainer behaviour on verl's three v1 trainers, and the startup checks of each mode, without Ray.
+
+    .venv/bin/python -m pytest -q tests/test_async_trainers.py
+
+The advantage step runs on an in-memory stand-in for TransferQueue (``kv_batch_get`` / ``kv_batch_put`` with
+verl's jagged per-response fields), so the same batch goes through ``gtpo_sync``, ``gtpo_colocate_async`` and
+verl's unmodified ``colocate_async`` trainer.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.test_configs import compose
+from tests.test_launch_scripts import dry_run_env, resolved_config, script_path
+
+MODES = {
+    "gtpo_sync": ("sync", "verl.trainer.ppo.v1.trainer_sync", "PPOTrainerSync"),
+    "gtpo_colocate_async": ("colocate_async", "verl.trainer.ppo.v1.trainer_colocate_async", "PPOTrainerColocateAsync"),
+    "gtpo_separate_async": ("separate_async", "verl.trainer.ppo.v1.trainer_separate_async", "PPOTrainerSeparateAsync"),
+}
+PRESET = {"gtpo_sync": "sync", "gtpo_colocate_async": "colocate_async", "gtpo_separate_async": "separate_async"}
+SEPARATE = ["trainer=separate_async", "actor_rollout_ref.rollout.nnodes=1"]
+
+
+def _base_class(registered: str) -> type:
+    import importlib
+
+    _, module, name = MODES[registered]
+    return getattr(importlib.import_module(module), name)
+
+
+def make_trainer(registered: str, overrides: list[str]):
+    """An instance of the class registered as ``registered``, with its config set but no workers (as verl's
+    ``PPOTrainer.__init__`` sets the mode first)."""
+    from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
+
+    import gtpo.verl_plugin.register  # noqa: F401
+
+    cls = get_trainer_cls(registered)
+    trainer = cls.__new__(cls)
+    trainer.config = compose(overrides)
+    OmegaConf.resolve(trainer.config)
+    trainer.trainer_mode = trainer.config.trainer.v1.trainer_mode
+    trainer.global_steps = 3
+    return trainer
+
+
+def _preset(registered: str) -> list[str]:
+    return SEPARATE if registered == "gtpo_separate_async" else [f"trainer={PRESET[registered]}"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the three classes
+
+
+@pytest.mark.parametrize("registered", list(MODES))
+def test_each_mode_resolves_to_its_verl_base_and_reports_its_mode(registered):
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
+
+    from gtpo.verl_plugin.trainer_mixin import GTPOTrainerMixin
+
+    verl_mode, _, _ = MODES[registered]
+    trainer = make_trainer(registered, _preset(registered) + ["method=gtpo"])
+    base = _base_class(registered)
+    assert type(trainer).__mro__[1:3] == (GTPOTrainerMixin, base)
+    assert trainer.config.trainer.v1.trainer_mode == registered
+    # verl's base class branches on the literal mode: replay buffer class, refill, checkpoints, trainer.v1.<mode>
+    assert trainer.trainer_mode == verl_mode
+    with pytest.raises(ValueError, match=r"trainer_mode='sync' selects another trainer"):
+        trainer.trainer_mode = "sync"
+    buffer = trainer._build_replay_buffer()
+    assert type(buffer) is (ReplayBuffer if verl_mode == "sync" else ReplayBufferAsync)
+    assert buffer.trainer_mode == verl_mode
+    assert buffer.trainer_config == trainer.config.trainer.v1.get(verl_mode, {})
+    assert buffer.filter_groups_metric == "acc"  # gtpo keeps DAPO's dynamic sampling in every mode
+
+
+@pytest.mark.parametrize("registered", list(MODES))
+def test_mixin_methods_win_and_the_mode_hooks_stay_verl_s(registered):
+    from gtpo.verl_plugin.trainer_mixin import GTPOTrainerMixin
+
+    cls = type(make_trainer(registered, _preset(registered)))
+    base = _base_class(registered)
+    recipe = [name for name, value in vars(GTPOTrainerMixin).items() if callable(value) or isinstance(value, property)]
+    recipe = [name for name in recipe if not name.startswith("__")]
+    assert {"_compute_advantage", "_log_rollout_data", "_val_metrics_update", "_save_checkpoint"} <= set(recipe)
+    for name in recipe:
+        assert getattr(cls, name) is getattr(GTPOTrainerMixin, name), name
+    # the mode's own hooks (weight sync, abort / resume of partial rollout, old-log-prob versioning) are verl's
+    for name in ("on_step_end", "on_sample_end", "on_train_begin", "get_llm_client", "_compute_old_log_prob"):
+        assert getattr(cls, name) is getattr(base, name), name
+
+
+def test_staleness_is_logged_beside_the_estimator_metrics():
+    from gtpo.verl_plugin.trainer_mixin import STALENESS_METRICS, GTPOTrainerMixin
+
+    class VerlStandIn:
+        def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+            metrics.update({key: float(i + 1) for i, key in enumerate(STALENESS_METRICS)})
+
+    class Trainer(GTPOTrainerMixin, VerlStandIn):
+        pass
+
+    for estimator, expect in (("gtpo_traj", True), ("grpo", False)):
+        trainer = Trainer()
+        trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": estimator}})
+        metrics: dict = {}
+        trainer._compute_metrics(None, metrics, {}, global_steps=2, epoch=0)
+        mirrored = {k: v for k, v in metrics.items() if k.startswith(f"{estimator}/")}
+        want = {f"{estimator}/{name}": float(i + 1) for i, name in enumerate(STALENESS_METRICS.values())}
+        assert mirrored == (want if expect else {})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the advantage step on one batch, through an in-memory TransferQueue
+
+
+class MemoryTQ:
+    """``kv_batch_get`` / ``kv_batch_put`` over per-row fields; response fields come back jagged, as TQ's do."""
+
+    def __init__(self, rows: dict[str, dict]):
+        self.rows = rows
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+        out = {}
+        for name in select_fields:
+            if name not in self.rows[keys[0]]:
+                continue  # fields nobody wrote (values, ref_log_prob, ...) are absent
+            values = [self.rows[k][name] for k in keys]
+            if name == "uid":
+                out[name] = NonTensorStack(*[NonTensorData(v) for v in values])
+            else:
+                out[name] = torch.nested.nested_tensor(values, layout=torch.jagged)
+        return TensorDict(out, batch_size=len(keys))
+
+    def kv_batch_put(self, keys, partition_id, fields):
+        from transfer_queue import KVBatchMeta
+
+        for name in fields.keys():
+            for key, value in zip(keys, fields[name].unbind(0), strict=True):
+                self.rows[key][name] = value
+        return KVBatchMeta(partition_id=partition_id, keys=list(keys), tags=[{}] * len(keys))
+
+
+def _batch(with_entropy: bool = True):
+    """Three prompt groups of four responses (mixed rewards, lengths 2..6) in TQ form; returns (rows, meta)."""
+    from transfer_queue import KVBatchMeta
+
+    gen = torch.Generator().manual_seed(7)
+    lengths = [6, 3, 5, 2, 4, 6, 6, 5, 3, 4, 2, 6]
+    rewards = [1.0, -1, 1, -1, -1, 1, -1, -1, 1, 1, -1, 1]
+    rows = {}
+    for i, (n, r) in enumerate(zip(lengths, rewards, strict=True)):
+        scores = torch.zeros(n)
+        scores[-1] = r
+        row = {
+            "uid": "abc"[i // 4],
+            "response_mask": torch.ones(n, dtype=torch.int64),
+            "rm_scores": scores,
+            "old_log_probs": -torch.rand(n, generator=gen),
+            "responses": torch.randint(0, 5, (n,), generator=gen),
+        }
+        if with_entropy:
+            row["entropy"] = torch.rand(n, generator=gen) * 3 + 0.1
+        rows[f"k{i}"] = row
+    return rows, KVBatchMeta(partition_id="train", keys=list(rows), tags=[{}] * len(rows))
+
+
+def _advantages(trainer, monkeypatch, rows, meta) -> tuple[list[torch.Tensor], dict]:
+    import transfer_queue
+
+    store = MemoryTQ({k: dict(v) for k, v in rows.items()})
+    monkeypatch.setattr(transfer_queue, "kv_batch_get", store.kv_batch_get)
+    monkeypatch.setattr(transfer_queue, "kv_batch_put", store.kv_batch_put)
+    metrics: dict = {}
+    trainer._compute_advantage(meta, metrics)
+    return [store.rows[k]["advantages"] for k in meta.keys], metrics
+
+
+@pytest.mark.parametrize("method", ["gtpo", "gtpo_traj"])
+def test_colocate_async_advantages_equal_sync_on_the_same_batch(method, monkeypatch):
+    rows, meta = _batch()
+    common = [f"method={method}", "algorithm.gtpo.conflict_mask=true", "algorithm.gtpo_traj.h_ini=1.0"]
+    sync_adv, sync_metrics = _advantages(make_trainer("gtpo_sync", common), monkeypatch, rows, meta)
+    async_trainer = make_trainer("gtpo_colocate_async", ["trainer=colocate_async", *common])
+    async_adv, async_metrics = _advantages(async_trainer, monkeypatch, rows, meta)
+    assert any(torch.count_nonzero(a) for a in sync_adv), "a batch with all-zero advantages would prove nothing"
+    for a, b in zip(sync_adv, async_adv, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert sync_metrics == async_metrics and any(k.startswith(f"{method}/") for k in async_metrics)
+    # the entropy reached the estimator: other entropies give other advantages
+    shifted = {k: dict(v, entropy=v["entropy"] * 2.0) for k, v in rows.items()}
+    other, _ = _advantages(async_trainer, monkeypatch, shifted, meta)
+    assert any(not torch.equal(a, b) for a, b in zip(other, async_adv, strict=True))
+
+
+def test_verl_unmodified_async_trainer_drops_the_entropy(monkeypatch):
+    """Negative control: verl's own colocate_async advantage step never hands the estimator the entropy."""
+    import verl.trainer.ppo.core_algos as core_algos
+    from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+
+    import gtpo.verl_plugin.register  # noqa: F401
+
+    seen: list[dict] = []
+    real = core_algos.get_adv_estimator_fn("gtpo")
+
+    def spy(**kwargs):
+        seen.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setitem(core_algos.ADV_ESTIMATOR_REGISTRY, "gtpo", spy)
+    trainer = PPOTrainerColocateAsync.__new__(PPOTrainerColocateAsync)
+    trainer.config = compose(["method=gtpo", "trainer.v1.trainer_mode=colocate_async"])
+    OmegaConf.resolve(trainer.config)
+    trainer.trainer_mode = "colocate_async"
+    rows, meta = _batch()  # the entropy *is* in TransferQueue
+    with pytest.raises(ValueError, match=r"entropy=None"):
+        _advantages(trainer, monkeypatch, rows, meta)
+    assert len(seen) == 1 and "entropy" not in seen[0] and "responses" not in seen[0]
+
+    seen.clear()
+    recipe = make_trainer("gtpo_colocate_async", ["trainer=colocate_async", "method=gtpo"])
+    _advantages(recipe, monkeypatch, rows, meta)
+    assert len(seen) == 1 and seen[0]["entropy"] is not None and seen[0]["responses"] is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# startup errors (validate_recipe_config: the entry point runs it before Ray, the dry run too)
+
+
+def _validate(overrides: list[str]) -> None:
+    import gtpo.verl_plugin.register  # noqa: F401
+    from gtpo.verl_plugin.validation import validate_recipe_config
+
+    validate_recipe_config(compose(overrides))
+
+
+@pytest.mark.parametrize("preset", ["sync", "colocate_async", "separate_async"])
+@pytest.mark.parametrize("method", ["grpo", "dapo", "dapo_forking", "gtpo", "grpo_s", "gtpo_traj"])
+def test_every_method_composes_under_every_mode(preset, method):
+    overrides = [f"trainer={preset}", f"method={method}", "model=qwen2.5_7b"]
+    if preset == "separate_async":
+        overrides += ["actor_rollout_ref.rollout.nnodes=1"]
+        if method == "gtpo_traj":  # one mini-batch per step: weights synced after it
+            overrides += ["trainer.v1.separate_async.parameter_sync_step=1"]
+    _validate(overrides)
+    cfg = compose(overrides)
+    assert cfg.trainer.v1.trainer_mode == f"gtpo_{preset}"
+    if preset != "sync":
+        assert cfg.algorithm.filter_groups.max_num_gen_batches == 0
+
+
+@pytest.mark.parametrize("estimator", ["gtpo", "grpo_s", "gtpo_traj"])
+@pytest.mark.parametrize("preset", ["sync", "colocate_async"])
+def test_bypass_mode_is_refused_for_the_recipe_estimators(estimator, preset):
+    with pytest.raises(ValueError, match=rf"bypass_mode=true with algorithm.adv_estimator='{estimator}'"):
+        _validate(
+            [
+                f"trainer={preset}",
+                f"algorithm.adv_estimator={estimator}",
+                "algorithm.rollout_correction.bypass_mode=true",
+            ]
+        )
+
+
+def test_bypass_mode_and_the_forking_loss():
+    bypass = ["trainer=colocate_async", "method=dapo_forking", "algorithm.rollout_correction.bypass_mode=true"]
+    with pytest.raises(ValueError, match=r"bypass_mode=true with algorithm.forking.scope=batch"):
+        _validate([*bypass, "algorithm.forking.scope=batch"])
+    _validate(bypass)  # micro_batch: the training policy's entropy, computed in the update itself
+    _validate(["trainer=colocate_async", "method=grpo", "algorithm.rollout_correction.bypass_mode=true"])
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])
+def test_verl_s_own_trainers_are_refused_for_the_recipe(mode):
+    with pytest.raises(ValueError, match=rf"trainer.v1.trainer_mode='{mode}'.*gtpo_colocate_async"):
+        _validate(["method=gtpo", f"trainer.v1.trainer_mode={mode}"])
+    with pytest.raises(ValueError, match=rf"forking.enable=true with trainer.v1.trainer_mode='{mode}'"):
+        _validate(["method=dapo_forking", f"trainer.v1.trainer_mode={mode}"])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["actor_rollout_ref.actor.ppo_mini_batch_size=16"],
+            r"data.train_batch_size=128 != trainer.v1.separate_async.parameter_sync_step=4 x "
+            r"actor_rollout_ref.actor.ppo_mini_batch_size=16.*parameter_sync_step=8",
+        ),
+        (["actor_rollout_ref.rollout.nnodes=0"], r"actor_rollout_ref.rollout.nnodes=0: separate_async needs"),
+        (["actor_rollout_ref.rollout.n_gpus_per_node=0"], r"actor_rollout_ref.rollout.n_gpus_per_node=0"),
+        (["actor_rollout_ref.rollout.checkpoint_engine.backend=naive"], r"checkpoint_engine.backend=naive"),
+        (
+            ["reward.reward_model.enable=true", "reward.reward_model.enable_resource_pool=false"],
+            r"reward.reward_model.enable_resource_pool=false",
+        ),
+        (["algorithm.filter_groups.max_num_gen_batches=10"], r"algorithm.filter_groups.max_num_gen_batches=10"),
+        (["trainer.v1.separate_async.parameter_sync_step=3"], r"not divisible by .*parameter_sync_step=3"),
+    ],
+)
+def test_each_violated_separate_async_constraint_names_its_key(overrides, message):
+    base = [*SEPARATE, "method=gtpo", "model=qwen2.5_7b"]
+    _validate(base)
+    with pytest.raises(ValueError, match=message):
+        _validate(base + overrides)
+
+
+def test_colocate_async_constraints():
+    _validate(["trainer=colocate_async", "method=dapo"])
+    with pytest.raises(ValueError, match=r"hybrid_engine=false with trainer.v1.trainer_mode=gtpo_colocate_async"):
+        _validate(["trainer=colocate_async", "actor_rollout_ref.hybrid_engine=false"])
+    with pytest.raises(ValueError, match=r"max_num_gen_batches=10 with trainer.v1.trainer_mode=gtpo_colocate_async"):
+        _validate(["trainer=colocate_async", "method=dapo", "algorithm.filter_groups.max_num_gen_batches=10"])
+    # the sync trainer keeps DAPO's round limit
+    _validate(["trainer=sync", "method=dapo"])
+    assert compose(["method=dapo"]).algorithm.filter_groups.max_num_gen_batches == 10
+
+
+def test_the_dry_run_module_checks_the_mode_too(monkeypatch, capsys):
+    import verl  # noqa: F401
+
+    import gtpo.verl_plugin.register  # noqa: F401
+    from gtpo.verl_plugin.dry_run import main
+
+    monkeypatch.chdir(script_path("gtpo", "7b").parents[1])
+    argv = [*SEPARATE, "method=gtpo", "model=qwen2.5_7b", "actor_rollout_ref.rollout.checkpoint_engine.backend=naive"]
+    assert main(argv) == 1
+    assert "checkpoint_engine.backend=naive" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the launchers take the mode as an argument
+
+
+@pytest.mark.parametrize(
+    "size, args, mode",
+    [
+        ("7b", ["trainer=colocate_async"], "gtpo_colocate_async"),
+        ("32b", [*SEPARATE], "gtpo_separate_async"),
+    ],
+)
+def test_launchers_accept_the_mode(tmp_path, size, args, mode):
+    script = str(script_path("gtpo", size))
+    proc = subprocess.run(
+        ["bash", script, *args], cwd=tmp_path, env=dry_run_env(tmp_path), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    cfg = resolved_config(proc.stdout)
+    assert cfg["trainer"]["v1"]["trainer_mode"] == mode
+    assert f"trainer_mode={mode}" in proc.stdout
+    if mode == "gtpo_separate_async":
+        assert cfg["actor_rollout_ref"]["rollout"]["checkpoint_engine"]["backend"] == "nccl"
+        bad = subprocess.run(
+            ["bash", script, "trainer=separate_async"],
+            cwd=tmp_path, env=dry_run_env(tmp_path), capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert bad.returncode != 0 and "actor_rollout_ref.rollout.nnodes=0" in bad.stderr
