@@ -93,6 +93,16 @@ class TokenChecker:
         return hm, hsum, lo < 0
 
 
+def float32_chunk(entropy: torch.Tensor, mask: torch.Tensor, r0: int, r1: int):
+    """Rows ``r0:r1`` as float32: ``(entropy [r, L], own, mask [r, L])``; ``own`` is True when the entropy chunk is a
+    fresh copy (not a view of the caller's tensor), so it may be modified in place."""
+    h = entropy[r0:r1].detach()
+    own = h.dtype != _F32
+    h = h.to(_F32) if own else h
+    mk = mask[r0:r1]
+    return h, own, (mk if mk.dtype == _F32 else mk.to(_F32))
+
+
 @torch.no_grad()
 def masked_row_sums(entropy: torch.Tensor, response_mask: torch.Tensor, neg_entropy_tol: float):
     """Checked per-row sums for the sequence-level estimators (GRPO-S): one chunked pass over ``[B, L]``.
@@ -110,11 +120,7 @@ def masked_row_sums(entropy: torch.Tensor, response_mask: torch.Tensor, neg_entr
     step = chunk_rows(device, length)
     for r0 in range(0, b, step):
         r1 = min(b, r0 + step)
-        h = entropy[r0:r1].detach()
-        own = h.dtype != _F32
-        h = h.to(_F32) if own else h
-        mk = mask[r0:r1]
-        mf = mk if mk.dtype == _F32 else mk.to(_F32)
+        h, own, mf = float32_chunk(entropy, mask, r0, r1)
         ln = mf.sum(-1)
         hm, hs, clamped = checker.masked_entropy(h, mf, ln, inplace=own)
         hsum[r0:r1] = (hm.sum(-1) if clamped else hs).to(_F64)

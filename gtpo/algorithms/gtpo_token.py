@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from gtpo.algorithms.chunked_rows import TokenChecker, chunk_rows, chunk_tokens
+from gtpo.algorithms.chunked_rows import TokenChecker, chunk_rows, chunk_tokens, float32_chunk
 from gtpo.algorithms.entropy_shaping import GTPOParams, shaping_bases, validate_with_params
 from gtpo.algorithms.group_ops import segment_sum
 from gtpo.algorithms.gtpo_closed_form import gtpo_batch_closed_form
@@ -185,11 +185,7 @@ def _batch_coefficients(entropy, mask, correct, eps, checker, device):
     step = chunk_rows(device, length)
     for r0 in range(0, b, step):
         r1 = min(b, r0 + step)
-        h = entropy[r0:r1].detach()
-        own = h.dtype != _F32
-        h = h.to(_F32) if own else h
-        mk = mask[r0:r1]
-        mf = mk if mk.dtype == _F32 else mk.to(_F32)
+        h, own, mf = float32_chunk(entropy, mask, r0, r1)
         val, _, _ = checker.masked_entropy(h, mf, mf.sum(-1), inplace=own)
         neg = ~correct[r0:r1]
         if bool(neg.any()):
