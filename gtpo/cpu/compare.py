@@ -2,13 +2,15 @@
 
     python -m gtpo.cpu.compare                                   # every configuration, 3 seeds, 100 steps
     python -m gtpo.cpu.compare --configs grpo,gtpo_zero_fill --seeds 1 --steps 40 --out outputs/compare
+    python -m gtpo.cpu.compare --task second_word --out outputs/compare_second_word   # the second toy task
     python -m gtpo.cpu.compare --list                            # the configurations and their overrides
 
 Every run is :func:`gtpo.cpu.demo.run_demo`: the demo's task, model, budget and pinned settings (DEMO_SETTINGS), the
-method preset, then the configuration's own estimator knobs (CONFIGURATIONS) and nothing else, so the runs differ
-only in the method. Seed ``s`` initialises the model and orders the data, the same for every configuration. All runs
-join one Ray cluster, started here for the sweep (or ``--ray-address`` of a running one): the Ray start-up is paid
-once, and every run is its own Ray job whose actors are freed when it ends.
+method preset, then the configuration's own estimator knobs (CONFIGURATIONS) and nothing else, so the runs differ only
+in the method. ``--task`` picks the demo task (``say_digit``: the first response word decides the reward;
+``second_word``: the second does, :mod:`gtpo.cpu.demo_task`). Seed ``s`` initialises the model and orders the data, the
+same for every configuration. All runs join one Ray cluster, started here for the sweep (or ``--ray-address`` of a
+running one): the Ray start-up is paid once, and every run is its own Ray job whose actors are freed when it ends.
 
 Written into ``--out``: ``<configuration>/s<seed>/`` (the demo's ``metrics.jsonl``, ``train.log``, ``summary.json``),
 ``results.json``, ``results.md`` and ``rewards.png`` (reward and entropy per step of every configuration: the mean
@@ -29,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from gtpo.cpu.demo import REWARD_KEY, build_demo_assets, run_demo
+from gtpo.cpu.demo import DEFAULT_TASK, REWARD_KEY, TASK_WORD_INDEX, build_demo_assets, run_demo
 from gtpo.cpu.demo_progress import ENTROPY_KEY
 from gtpo.cpu.demo_results import file_logger_records, load_rewards, run_viz, summarize
 from gtpo.cpu.demo_trainer import REPO_ROOT
@@ -60,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=",".join(CONFIGURATIONS), help="comma-separated names (default: all)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per configuration (default 3)")
     p.add_argument("--steps", type=int, default=100, help="training steps of every run (default 100)")
+    p.add_argument("--task", default=DEFAULT_TASK, choices=list(TASK_WORD_INDEX), help="demo task (say_digit)")
     p.add_argument("--out", default=str(REPO_ROOT / "outputs" / "compare"), help="output folder")
     p.add_argument("--window", type=int, default=10, help="steps averaged for first / last reward (default 10)")
     p.add_argument("--target", type=float, default=0.8, help="reward the trailing window mean must reach (0.8)")
@@ -166,7 +169,8 @@ def write_outputs(out: Path, results: dict, seeds_paths: list[tuple[str, Path]])
     """``results.json``, ``results.md`` and, when any run logged a step, the figure ``rewards.png``."""
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     md = (
-        f"{results['steps']} steps per run, seeds {results['seeds']}, {results['machine']}; "
+        f"Task {results.get('task', DEFAULT_TASK)}, {results['steps']} steps per run, seeds {results['seeds']}, "
+        f"{results['machine']}; "
         f"wall time {results['wall_s'] / 60:.1f} min.\n\n`{results['command']}`\n\n" + markdown_table(results)
     )
     (out / "results.md").write_text(md)
@@ -175,7 +179,10 @@ def write_outputs(out: Path, results: dict, seeds_paths: list[tuple[str, Path]])
     figure = out / "rewards.png"
     env = dict(os.environ)
     env.setdefault("MPLBACKEND", "Agg")
-    title = f"CPU demo, {results['steps']} steps, mean over {len(results['seeds'])} seed(s), band = min-max"
+    title = (
+        f"CPU demo ({results.get('task', DEFAULT_TASK)}), {results['steps']} steps, "
+        f"mean over {len(results['seeds'])} seed(s), band = min-max"
+    )
     if runs and run_viz(
         ["curves", *runs, "--metrics", REWARD_KEY, ENTROPY_KEY, "--out", str(figure), "--title", title], env
     ):
@@ -216,12 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     seeds = list(range(args.seeds))
-    assets = {s: build_demo_assets(args.cache_dir, seed=s) for s in seeds}
+    assets = {s: build_demo_assets(args.cache_dir, seed=s, task=args.task) for s in seeds}
     address = args.ray_address or start_local_ray()
     t0 = time.monotonic()
     results = {
         "command": "python -m gtpo.cpu.compare " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine(),
+        "task": args.task,
         "steps": args.steps,
         "seeds": seeds,
         "window": args.window,

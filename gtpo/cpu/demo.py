@@ -4,9 +4,10 @@
     python -m gtpo.cpu.demo --method grpo --out outputs/cpu_demo/grpo
     python -m gtpo.cpu.demo --steps 60 -- actor_rollout_ref.actor.optim.lr=2e-3   # Hydra overrides after ``--``
 
-Task: prompt ``say <d>`` with ``d`` in 0..9; reward 1 if the first
-whitespace-separated word of the response is ``d``, else 0. GTPO (arXiv 2508.04349) counts a response as correct when
-its reward is ``> 0`` and uses the literal -1 as the negative base (Eq. 5), so the 0/1 reward needs no rescaling.
+Task: prompt ``say <d>`` with ``d`` in 0..9; reward 1 if the first whitespace-separated word of the response is ``d``,
+else 0 (``--task second_word``: the second word must be ``d``, the first is free; same prompts, model and settings, a
+separate asset folder). GTPO (arXiv 2508.04349) counts a response as correct when its reward is ``> 0`` and uses the
+literal -1 as the negative base (Eq. 5), so the 0/1 reward needs no rescaling.
 The data set is the ten prompts repeated, so the demo shows that the reward signal flows through verl (rollout,
 reward, estimator, PPO update, weight sync), not generalisation.
 
@@ -85,6 +86,7 @@ from gtpo.cpu.demo_task import (
     CHAT_TEMPLATE,
     DATA_RECIPE,
     DATA_SOURCE,
+    DEFAULT_TASK,
     DEMO_VERSION,
     DIGITS,
     EOS_TOKEN,
@@ -94,6 +96,7 @@ from gtpo.cpu.demo_task import (
     NUMBER_WORDS,
     PAD_TOKEN,
     SPECIAL_TOKENS,
+    TASK_WORD_INDEX,
     UNK_TOKEN,
     WORDS,
     DemoAssets,
@@ -101,9 +104,11 @@ from gtpo.cpu.demo_task import (
     build_model,
     build_rows,
     build_tokenizer,
+    check_task,
     compute_score,
     recipe_key,
     score_response,
+    task_data_source,
 )
 from gtpo.cpu.demo_trainer import (
     DEMO_SETTINGS,
@@ -119,6 +124,7 @@ __all__ = [
     "CHAT_TEMPLATE",
     "DATA_RECIPE",
     "DATA_SOURCE",
+    "DEFAULT_TASK",
     "DEMO_SETTINGS",
     "DEMO_VERSION",
     "DIGITS",
@@ -131,6 +137,7 @@ __all__ = [
     "PAD_TOKEN",
     "REWARD_KEY",
     "SPECIAL_TOKENS",
+    "TASK_WORD_INDEX",
     "UNK_TOKEN",
     "WORDS",
     "DemoAssets",
@@ -139,6 +146,7 @@ __all__ = [
     "build_parser",
     "build_rows",
     "build_tokenizer",
+    "check_task",
     "compute_score",
     "demo_command",
     "demo_overrides",
@@ -153,6 +161,7 @@ __all__ = [
     "run_demo",
     "score_response",
     "summarize",
+    "task_data_source",
     "token_dumps",
     "trainer_command",
     "trainer_env",
@@ -172,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
     p.add_argument("--out", default=None, help="output folder (default outputs/cpu_demo/<method>)")
     p.add_argument("--seed", type=int, default=0, help="model initialisation and data-order seed (default 0)")
+    p.add_argument(
+        "--task",
+        default=DEFAULT_TASK,
+        choices=list(TASK_WORD_INDEX),
+        help="say_digit (default: the first response word must be the digit) or second_word (the second must)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="kill the trainer after this many seconds")
     p.add_argument("--cache-dir", default=None, help="asset cache (default $GTPO_CACHE_DIR or ~/.cache/gtpo/tiny)")
     p.add_argument(
@@ -203,12 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --steps {args.steps}: must be >= 1", file=sys.stderr)
         return 2
 
-    assets = build_demo_assets(args.cache_dir, seed=args.seed)
+    assets = build_demo_assets(args.cache_dir, seed=args.seed, task=args.task)
     if args.assets_only:
         print(json.dumps(asdict(assets), indent=1))
         return 0
 
-    out = Path(args.out or REPO_ROOT / "outputs" / "cpu_demo" / args.method).expanduser().resolve()
+    run_name = args.method if args.task == DEFAULT_TASK else f"{args.method}_{args.task}"
+    out = Path(args.out or REPO_ROOT / "outputs" / "cpu_demo" / run_name).expanduser().resolve()
     try:
         cmd = demo_command(assets, args.method, args.steps, args.seed, out, extra)
     except ValueError as e:

@@ -1,5 +1,13 @@
-"""The CPU demo's task and assets: the reward of ``say <d>`` -> ``<d>``, the word-level tokenizer, the random tiny
-Qwen2 model and the parquet files, built once per recipe hash and seed (details in :mod:`gtpo.cpu.demo`)."""
+"""The CPU demo's tasks and assets: the reward of ``say <d>``, the word-level tokenizer, the random tiny Qwen2 model
+and the parquet files, built once per recipe hash, task and seed (details in :mod:`gtpo.cpu.demo`).
+
+Two tasks share the prompts ``say <d>``, the tokenizer and the model; they differ in which response word is scored:
+
+* ``say_digit`` (the demo's): reward 1 if the *first* word of the response is ``d``. One token decides the reward.
+* ``second_word``: reward 1 if the *second* word is ``d``; the first word is free. The deciding token is not the
+  first, and the first token of every response shares its reward without having earned it, so a token-level
+  estimator has something to tell apart.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +19,11 @@ from pathlib import Path
 from gtpo.cpu.asset_cache import AssetPaths, build_once
 
 DEMO_VERSION = 1
-DATA_SOURCE = "cpu_demo/say_digit"
+# task -> the 0-based index of the response word that must equal the prompt's digit
+TASK_WORD_INDEX: dict[str, int] = {"say_digit": 0, "second_word": 1}
+DEFAULT_TASK = "say_digit"
+DATA_SOURCE_PREFIX = "cpu_demo/"
+DATA_SOURCE = DATA_SOURCE_PREFIX + DEFAULT_TASK
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
 PAD_TOKEN, EOS_TOKEN, UNK_TOKEN = "<|endoftext|>", "<|im_end|>", "<unk>"
@@ -41,17 +53,40 @@ DATA_RECIPE = dict(repeats=100, val_repeats=1)
 # reward
 
 
-def score_response(response: str, target: str) -> float:
-    """1.0 if the first whitespace-separated word of ``response`` equals ``target`` (stripped), else 0.0."""
+def check_task(task: str) -> str:
+    """``task`` when it is one of :data:`TASK_WORD_INDEX`, else a ValueError naming it and the known tasks."""
+    if task not in TASK_WORD_INDEX:
+        raise ValueError(f"task={task!r}: unknown; known: {', '.join(TASK_WORD_INDEX)}")
+    return task
+
+
+def task_data_source(task: str) -> str:
+    """The ``data_source`` of the task's parquet rows (it selects the task's reward in :func:`compute_score`)."""
+    return DATA_SOURCE_PREFIX + check_task(task)
+
+
+def score_response(response: str, target: str, word_index: int = 0) -> float:
+    """1.0 if whitespace-separated word ``word_index`` of ``response`` equals ``target`` (stripped), else 0.0."""
     words = response.split()
-    return 1.0 if words and words[0] == str(target).strip() else 0.0
+    return 1.0 if len(words) > word_index and words[word_index] == str(target).strip() else 0.0
 
 
 def compute_score(data_source=None, solution_str: str = "", ground_truth: str = "", extra_info=None, **kwargs) -> float:
-    """verl custom reward (``reward.custom_reward_function``): the demo's 0/1 reward of a decoded response."""
+    """verl custom reward (``reward.custom_reward_function``): the 0/1 reward of a decoded response.
+
+    The rows' ``data_source`` (``cpu_demo/<task>``) selects the scored word; any other source raises, naming it: the
+    demo's reward is only ever configured for the demo's own parquet files, so another source is a wiring error.
+    """
+    source = DATA_SOURCE if data_source is None else str(data_source)
+    task = source.removeprefix(DATA_SOURCE_PREFIX)
+    if not source.startswith(DATA_SOURCE_PREFIX) or task not in TASK_WORD_INDEX:
+        raise ValueError(
+            f"data_source={source!r}: not a CPU demo task; known: "
+            + ", ".join(DATA_SOURCE_PREFIX + t for t in TASK_WORD_INDEX)
+        )
     if solution_str is None:
         return 0.0
-    return score_response(str(solution_str), str(ground_truth))
+    return score_response(str(solution_str), str(ground_truth), TASK_WORD_INDEX[task])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -99,14 +134,15 @@ def build_model(vocab_size: int, seed: int, pad_token_id: int, eos_token_id: int
     return model
 
 
-def build_rows(repeats: int, split: str) -> list[dict]:
-    """verl RL rows: the ten prompts ``say <d>`` in order 0..9, the block repeated ``repeats`` times."""
+def build_rows(repeats: int, split: str, task: str = DEFAULT_TASK) -> list[dict]:
+    """verl RL rows of ``task``: the ten prompts ``say <d>`` in order 0..9, the block repeated ``repeats`` times."""
+    source = task_data_source(task)
     rows = []
     for r in range(repeats):
         for d in DIGITS:
             rows.append(
                 {
-                    "data_source": DATA_SOURCE,
+                    "data_source": source,
                     "prompt": [{"role": "user", "content": f"say {d}"}],
                     "ability": "toy",
                     "reward_model": {"style": "rule", "ground_truth": d},
@@ -116,8 +152,8 @@ def build_rows(repeats: int, split: str) -> list[dict]:
     return rows
 
 
-def recipe_key(seed: int) -> str:
-    """Hash of everything the assets are built from (recipe constants, seed, library versions)."""
+def recipe_key(seed: int, task: str = DEFAULT_TASK) -> str:
+    """Hash of everything the assets are built from (recipe constants, task, seed, library versions)."""
     import tokenizers
     import transformers
 
@@ -129,6 +165,7 @@ def recipe_key(seed: int) -> str:
             "model": MODEL_RECIPE,
             "data": DATA_RECIPE,
             "seed": seed,
+            **({} if task == DEFAULT_TASK else {"task": check_task(task)}),
             "transformers": transformers.__version__,
             "tokenizers": tokenizers.__version__,
         },
@@ -137,7 +174,7 @@ def recipe_key(seed: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def _build_into(folder: Path, seed: int) -> None:
+def _build_into(folder: Path, seed: int, task: str) -> None:
     import pandas as pd
 
     tok = build_tokenizer()
@@ -145,17 +182,26 @@ def _build_into(folder: Path, seed: int) -> None:
     model = build_model(len(tok), seed, tok.pad_token_id, tok.eos_token_id)
     model.save_pretrained(folder / "model", safe_serialization=True)
     (folder / "data").mkdir()
-    pd.DataFrame(build_rows(DATA_RECIPE["repeats"], "train")).to_parquet(folder / "data" / "train.parquet", index=False)
-    pd.DataFrame(build_rows(DATA_RECIPE["val_repeats"], "test")).to_parquet(
+    pd.DataFrame(build_rows(DATA_RECIPE["repeats"], "train", task)).to_parquet(
+        folder / "data" / "train.parquet", index=False
+    )
+    pd.DataFrame(build_rows(DATA_RECIPE["val_repeats"], "test", task)).to_parquet(
         folder / "data" / "val.parquet", index=False
     )
     (folder / "RECIPE.json").write_text(
-        json.dumps({"version": DEMO_VERSION, "seed": seed, "model": MODEL_RECIPE, "data": DATA_RECIPE}, indent=1)
+        json.dumps(
+            {"version": DEMO_VERSION, "task": task, "seed": seed, "model": MODEL_RECIPE, "data": DATA_RECIPE}, indent=1
+        )
     )
 
 
-def build_demo_assets(cache_dir: str | os.PathLike | None = None, seed: int = 0) -> DemoAssets:
-    """Build (once per recipe hash and seed) and return the demo assets; safe to call concurrently."""
+def build_demo_assets(
+    cache_dir: str | os.PathLike | None = None, seed: int = 0, task: str = DEFAULT_TASK
+) -> DemoAssets:
+    """Build (once per recipe hash, task and seed) and return the demo assets; safe to call concurrently.
+
+    The model depends on the seed only, so the tasks of one seed start from the same weights."""
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r}: must be a non-negative int")
-    return build_once(cache_dir, f"cpu-demo-{recipe_key(seed)}", lambda folder: _build_into(folder, seed))
+    check_task(task)
+    return build_once(cache_dir, f"cpu-demo-{recipe_key(seed, task)}", lambda folder: _build_into(folder, seed, task))
