@@ -70,22 +70,30 @@ def test_run_record_and_aggregate_by_hand(tmp_path):
     assert table[3] == "| dapo | 1/1 | 0.20 | 0.50 | never | 1.75 | 1.0 |"
 
 
+def test_task_option(capsys):
+    assert compare.build_parser().parse_args([]).task == "say_digit"
+    assert compare.build_parser().parse_args(["--task", "second_word"]).task == "second_word"
+    with pytest.raises(SystemExit):
+        compare.build_parser().parse_args(["--task", "third_word"])
+    assert "invalid choice: 'third_word'" in capsys.readouterr().err
+
+
 E2E_CONFIGS = ("dapo", "gtpo_traj_paper")
 
 
 @pytest.mark.e2e
 def test_tiny_sweep_through_verl_writes_the_table_and_the_figure(ray_cluster, tmp_path):
-    """dapo and gtpo_traj (paper), one seed, two steps each, on the session's Ray cluster."""
+    """dapo and gtpo_traj (paper), one seed, two steps each, on the second task, on the session's Ray cluster."""
     out = tmp_path / "cmp"
     rc = compare.main(
         ["--configs", ",".join(E2E_CONFIGS), "--seeds", "1", "--steps", "2", "--window", "2", "--out", str(out)]
-        + ["--ray-address", ray_cluster.address, "--timeout", "400"]
+        + ["--task", "second_word", "--ray-address", ray_cluster.address, "--timeout", "400"]
     )
     logs = {c: (out / c / "s0" / "train.log") for c in E2E_CONFIGS}
     assert rc == 0, {c: p.read_text(errors="replace")[-3000:] for c, p in logs.items() if p.is_file()}
     results = json.loads((out / "results.json").read_text())
     assert list(results["configurations"]) == list(E2E_CONFIGS)
-    assert (results["steps"], results["seeds"], results["window"]) == (2, [0], 2)
+    assert (results["task"], results["steps"], results["seeds"], results["window"]) == ("second_word", 2, [0], 2)
     for name, cfg in results["configurations"].items():
         (run,) = cfg["runs"]
         assert run["returncode"] == 0 and run["steps"] == 2, name
@@ -94,7 +102,19 @@ def test_tiny_sweep_through_verl_writes_the_table_and_the_figure(ray_cluster, tm
     # the method's own code ran: gtpo_traj logs its diagnostics, DAPO's reward manager adds acc
     gtpo_traj_log = (out / "gtpo_traj_paper" / "s0" / "metrics.jsonl").read_text()
     assert '"gtpo_traj/' in gtpo_traj_log
+    # verl's reward workers scored the second word: every dumped sample, and some where the first word would differ
+    samples = [
+        json.loads(line)
+        for c in E2E_CONFIGS
+        for dump in sorted((out / c / "s0" / "rollouts").glob("*.jsonl"))
+        for line in dump.read_text().splitlines()
+    ]
+    assert len(samples) == 2 * 2 * 8 * 16
+    for s in samples:
+        assert s["score"] == demo.score_response(s["output"], s["gts"], word_index=1), s
+    assert any(demo.score_response(s["output"], s["gts"]) != s["score"] for s in samples)
     table = (out / "results.md").read_text()
+    assert table.startswith("Task second_word, 2 steps per run")
     assert "| dapo | 1/1 |" in table and "| gtpo_traj_paper | 1/1 |" in table
     png = (out / "rewards.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

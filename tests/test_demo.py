@@ -62,6 +62,35 @@ def test_compute_score_takes_verl_keyword_arguments():
     assert demo.compute_score(solution_str=None, **kwargs) == 0.0
 
 
+@pytest.mark.parametrize(
+    "response, target, expected",
+    [
+        ("the 3", "3", 1.0),
+        ("3 3", "3", 1.0),
+        ("say 3 4", "3", 1.0),
+        ("3", "3", 0.0),
+        ("3 4", "3", 0.0),
+        ("the three", "3", 0.0),
+        ("", "3", 0.0),
+    ],
+)
+def test_second_word_task_scores_the_second_word(response, target, expected):
+    assert demo.score_response(response, target, word_index=1) == expected
+    source = demo.task_data_source("second_word")
+    assert demo.compute_score(data_source=source, solution_str=response, ground_truth=target) == expected
+
+
+def test_compute_score_picks_the_rule_by_data_source_and_names_a_foreign_one():
+    assert demo.task_data_source("say_digit") == demo.DATA_SOURCE == "cpu_demo/say_digit"
+    assert demo.compute_score(data_source=None, solution_str="5", ground_truth="5") == 1.0  # the demo's own task
+    assert demo.compute_score(data_source="cpu_demo/second_word", solution_str="5", ground_truth="5") == 0.0
+    for source in ("openai/gsm8k", "cpu_demo/third_word"):
+        with pytest.raises(ValueError, match=f"data_source='{source}'.*cpu_demo/second_word"):
+            demo.compute_score(data_source=source, solution_str="5", ground_truth="5")
+    with pytest.raises(ValueError, match="task='third_word': unknown; known: say_digit, second_word"):
+        demo.task_data_source("third_word")
+
+
 def test_reward_is_binary_zero_one_for_gtpo():
     # GTPO splits correct / incorrect at reward > 0 (reward_threshold 0) with negative base -1: a 0/1 reward fits,
     # and a correct reward must be > 0 (entropy_shaping.validate_shaping_inputs).
@@ -166,6 +195,20 @@ def test_parquet_rows(assets):
     assert train["reward_model"].map(lambda rm: rm["ground_truth"]).value_counts().to_dict() == {
         d: 100 for d in demo.DIGITS
     }
+
+
+def test_second_word_assets_share_the_model_and_prompts_and_differ_in_data_source(assets, tmp_path):
+    import pandas as pd
+
+    other = demo.build_demo_assets(tmp_path, seed=0, task="second_word")
+    assert demo.recipe_key(0, "second_word") != demo.recipe_key(0) and other.model_dir != assets.model_dir
+    weights = [Path(a.model_dir, "model.safetensors").read_bytes() for a in (assets, other)]
+    assert weights[0] == weights[1]  # the model depends on the seed only
+    mine, theirs = pd.read_parquet(assets.train_parquet), pd.read_parquet(other.train_parquet)
+    assert set(theirs["data_source"]) == {"cpu_demo/second_word"}
+    assert mine.drop(columns="data_source").to_json() == theirs.drop(columns="data_source").to_json()
+    with pytest.raises(ValueError, match="task='first_word'"):
+        demo.build_demo_assets(tmp_path, seed=0, task="first_word")
 
 
 # ----------------------------------------------------------------------------------------------------------------
