@@ -13,7 +13,7 @@ import pytest
 from matplotlib.image import imread
 
 from gtpo.viz.__main__ import main as viz_main
-from gtpo.viz.curves import METRIC_TITLES, load_metrics, metric_title, parse_run_spec, plot_curves
+from gtpo.viz.curves import METRIC_TITLES, load_metrics, metric_title, parse_run_spec, plot_curves, run_colours
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VAL_KEY = "val-core/math_dapo/acc/mean@4"
@@ -215,3 +215,10 @@ def test_seeds_of_one_method_are_mean_and_band(tmp_path):
     band = 1 - 0.2 * (1 - c0)  # C0 at alpha 0.2 over white
     count = lambda im: int((np.abs(im - band).max(-1) < 0.03).sum())  # noqa: E731
     assert count(img) > 500 + 10 * count(imread(single)[..., :3])  # the single-run plot has only antialiased edges
+
+
+def test_run_colours_are_distinct_for_a_sweep_of_eleven():
+    ten = run_colours([f"r{i}" for i in range(10)])
+    assert list(ten.values()) == [f"C{i}" for i in range(10)]
+    eleven = run_colours([f"r{i}" for i in range(11)])
+    assert len(set(eleven.values())) == 11

@@ -143,6 +143,17 @@ def _seed_stats(series: list[Series]) -> tuple[list[int], list[float], list[floa
     return common, [sum(r) / len(r) for r in rows], [min(r) for r in rows], [max(r) for r in rows]
 
 
+def run_colours(names: list[str]) -> dict[str, str | tuple[float, ...]]:
+    """One colour per run: matplotlib's 10-colour cycle, or the 20 of ``tab20`` when there are more runs (a sweep
+    of 11 configurations would otherwise draw two runs in one colour); beyond 20 colours repeat."""
+    if len(names) <= 10:
+        return {name: f"C{i}" for i, name in enumerate(names)}
+    from matplotlib import colormaps
+
+    palette = colormaps["tab20"].colors
+    return {name: palette[i % len(palette)] for i, name in enumerate(names)}
+
+
 def plot_curves(
     runs: Sequence[tuple[str, str | Path]] | dict[str, str | Path],
     out_path: str | Path,
@@ -191,7 +202,7 @@ def plot_curves(
     fig = Figure(figsize=(5.2 * ncols, 3.5 * nrows), dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    colours = {name: f"C{i % 10}" for i, name in enumerate(seeds)}
+    colours = run_colours(list(seeds))
     plotted: dict[str, dict[str, Series]] = {}
     styles = ["-", "--", ":", "-."]
     for ax, pattern in zip(axes, panels, strict=False):
