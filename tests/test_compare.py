@@ -70,6 +70,33 @@ def test_run_record_and_aggregate_by_hand(tmp_path):
     assert table[3] == "| dapo | 1/1 | 0.20 | 0.50 | never | 1.75 | 1.0 |"
 
 
+def test_replot_rewrites_table_and_figure_from_results_json(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    for seed, rewards in ((0, [0.0, 0.5, 1.0]), (1, [0.0, 0.25, 0.75])):
+        _write_metrics(out / "grpo" / f"s{seed}" / "metrics.jsonl", rewards, entropy=[3, 2, 1], step_s=[9, 2, 2])
+    runs = [
+        compare.run_record(
+            out / "grpo" / f"s{s}" / "metrics.jsonl", {"seed": s, "returncode": 0, "wall_s": 9.0}, 1, 0.8
+        )
+        for s in (0, 1)
+    ]
+    results = {
+        "command": "python -m gtpo.cpu.compare --configs grpo", "machine": "m", "task": "second_word", "steps": 3,
+        "seeds": [0, 1], "window": 1, "target": 0.8, "wall_s": 60.0,
+        "configurations": {
+            "grpo": {"method": "grpo", "overrides": [], "runs": runs, "aggregate": compare.aggregate(runs, 3)},
+        },
+    }  # fmt: skip
+    out.joinpath("results.json").write_text(json.dumps(results))
+    assert compare.main(["--replot", "--out", str(out)]) == 0
+    table = out.joinpath("results.md").read_text()
+    assert table.startswith("Task second_word, 3 steps per run, seeds [0, 1]")
+    assert "| grpo | 2/2 | 0.00 ± 0.00 | 0.88 ± 0.18 | 3 (1/2 seeds) | 1.00 ± 0.00 | 2.0 ± 0.0 |" in table
+    assert out.joinpath("rewards.png").read_bytes()[:4] == b"\x89PNG"
+    assert compare.main(["--replot", "--out", str(tmp_path / "none")]) == 2
+    assert "results.json does not exist" in capsys.readouterr().err
+
+
 def test_task_option(capsys):
     assert compare.build_parser().parse_args([]).task == "say_digit"
     assert compare.build_parser().parse_args(["--task", "second_word"]).task == "second_word"

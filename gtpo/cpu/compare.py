@@ -4,6 +4,7 @@
     python -m gtpo.cpu.compare --configs grpo,gtpo_zero_fill --seeds 1 --steps 40 --out outputs/compare
     python -m gtpo.cpu.compare --task second_word --out outputs/compare_second_word   # the second toy task
     python -m gtpo.cpu.compare --list                            # the configurations and their overrides
+    python -m gtpo.cpu.compare --replot --out outputs/compare    # redraw table and figure of a finished sweep
 
 Every run is :func:`gtpo.cpu.demo.run_demo`: the demo's task, model, budget and pinned settings (DEMO_SETTINGS), the
 method preset, then the configuration's own estimator knobs (CONFIGURATIONS) and nothing else, so the runs differ only
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-address", default=None, help="join this running Ray cluster instead of starting one")
     p.add_argument("--cache-dir", default=None, help="asset cache (default $GTPO_CACHE_DIR or ~/.cache/gtpo/tiny)")
     p.add_argument("--list", action="store_true", help="print the configurations and exit")
+    p.add_argument(
+        "--replot", action="store_true", help="redraw results.md and rewards.png from --out/results.json; no training"
+    )
     return p
 
 
@@ -206,11 +210,33 @@ def start_local_ray() -> str:
     return ctx.address_info["gcs_address"]
 
 
+def replot(out: Path) -> dict[str, str]:
+    """Rewrite the table and the figure of the sweep in ``out`` from its ``results.json`` and the runs' metrics."""
+    path = out / "results.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--replot: {path} does not exist (run the sweep with --out {out} first)")
+    results = json.loads(path.read_text())
+    seeds_paths = [
+        (name, out / name / f"s{run['seed']}" / "metrics.jsonl")
+        for name, cfg in results["configurations"].items()
+        for run in cfg["runs"]
+    ]
+    return write_outputs(out, results, seeds_paths)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.list:
         for name, (method, overrides) in CONFIGURATIONS.items():
             print(f"{name}: method={method} {' '.join(overrides)}".rstrip())
+        return 0
+    if args.replot:
+        try:
+            written = replot(Path(args.out).expanduser().resolve())
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print("[compare] " + ", ".join(f"{k}: {v}" for k, v in written.items()))
         return 0
     try:
         names = parse_configs(args.configs)
