@@ -13,7 +13,15 @@ import pytest
 from matplotlib.image import imread
 
 from gtpo.viz.__main__ import main as viz_main
-from gtpo.viz.curves import METRIC_TITLES, load_metrics, metric_title, parse_run_spec, plot_curves, run_colours
+from gtpo.viz.curves import (
+    METRIC_TITLES,
+    figure_legend,
+    load_metrics,
+    metric_title,
+    parse_run_spec,
+    plot_curves,
+    run_colours,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VAL_KEY = "val-core/math_dapo/acc/mean@4"
@@ -222,3 +230,23 @@ def test_run_colours_are_distinct_for_a_sweep_of_eleven():
     assert list(ten.values()) == [f"C{i}" for i in range(10)]
     eleven = run_colours([f"r{i}" for i in range(11)])
     assert len(set(eleven.values())) == 11
+
+
+def test_figure_legend_names_the_seed_count_once_or_per_run():
+    assert figure_legend({"a": 3, "b": 3}) == (["a", "b"], "mean of 3 seeds, band min–max")
+    assert figure_legend({"a": 1, "b": 1}) == (["a", "b"], None)
+    assert figure_legend({"a": 3, "b": 1}) == (["a (mean of 3 seeds)", "b"], "band: min–max over seeds")
+
+
+def test_crowded_plot_draws_every_run(tmp_path):
+    runs = []
+    for i in range(8):
+        path = tmp_path / f"r{i}.jsonl"
+        path.write_text(
+            "".join(json.dumps({"step": s, "data": {"critic/score/mean": s * i / 10}}) + "\n" for s in (1, 2))
+        )
+        runs.append((f"run{i}", path))
+    plotted = plot_curves(runs, tmp_path / "c.png", metrics=["critic/score/mean"])
+    assert list(plotted) == [f"run{i}" for i in range(8)]
+    assert plotted["run5"]["critic/score/mean"] == ([1, 2], [0.5, 1.0])
+    assert imread(tmp_path / "c.png").shape[0] > 300

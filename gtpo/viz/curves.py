@@ -143,6 +143,20 @@ def _seed_stats(series: list[Series]) -> tuple[list[int], list[float], list[floa
     return common, [sum(r) / len(r) for r in rows], [min(r) for r in rows], [max(r) for r in rows]
 
 
+CROWDED_RUNS = 6  # more runs than this: one figure legend below the panels instead of one in each panel
+
+
+def figure_legend(seed_counts: dict[str, int]) -> tuple[list[str], str | None]:
+    """Labels and title of the shared legend of a crowded figure, from ``{run name: number of seeds}``: the seed
+    count goes into the title when every run has the same one (> 1), else into each multi-seed label."""
+    counts = set(seed_counts.values())
+    if len(counts) == 1:
+        count = counts.pop()
+        return list(seed_counts), (f"mean of {count} seeds, band min–max" if count > 1 else None)
+    labels = [f"{n} (mean of {c} seeds)" if c > 1 else n for n, c in seed_counts.items()]
+    return labels, "band: min–max over seeds"
+
+
 def run_colours(names: list[str]) -> dict[str, str | tuple[float, ...]]:
     """One colour per run: matplotlib's 10-colour cycle, or the 20 of ``tab20`` when there are more runs (a sweep
     of 11 configurations would otherwise draw two runs in one colour); beyond 20 colours repeat."""
@@ -180,6 +194,7 @@ def plot_curves(
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
     pairs = list(runs.items()) if isinstance(runs, dict) else [tuple(r) for r in runs]
@@ -203,6 +218,8 @@ def plot_curves(
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     colours = run_colours(list(seeds))
+    # Many runs: one legend of run colours under the panels (an in-panel legend would cover the curves).
+    crowded = len(seeds) > CROWDED_RUNS
     plotted: dict[str, dict[str, Series]] = {}
     styles = ["-", "--", ":", "-."]
     for ax, pattern in zip(axes, panels, strict=False):
@@ -217,12 +234,15 @@ def plot_curves(
                     continue
                 source = metric_title(key)[1]
                 label = name if len(panel_keys) == 1 else f"{name} · {source or key}"
+                if crowded:
+                    label = None
                 style = {"color": colours[name], "linestyle": styles[panel_keys.index(key) % len(styles)]}
                 if len(logs) > 1:
                     steps, values, lo, hi = _seed_stats(have)
                     if not steps:
                         continue
-                    label += f" (mean of {len(have)} seeds, band min–max)"
+                    if label is not None:
+                        label += f" (mean of {len(have)} seeds, band min–max)"
                     band = (_ema(lo, smooth), _ema(hi, smooth)) if smooth > 0 else (lo, hi)
                     ax.fill_between(steps, *band, color=colours[name], alpha=0.2, linewidth=0)
                 else:
@@ -255,9 +275,20 @@ def plot_curves(
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_ylabel(pattern, fontsize=7, color="#666")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7, loc="best")
+            if not crowded:
+                ax.legend(fontsize=7, loc="best")
+            elif len(panel_keys) > 1:  # the line styles of this panel's keys
+                keys = [Line2D([], [], color="#555", linestyle=styles[i % len(styles)]) for i in range(len(panel_keys))]
+                ax.legend(keys, [metric_title(k)[1] or k for k in panel_keys], fontsize=7, loc="best")
     for ax in axes[len(panels) :]:
         ax.set_visible(False)
+    if crowded and plotted:
+        handles = [Line2D([], [], color=colours[n], linewidth=2) for n in plotted]
+        labels, legend_title = figure_legend({n: len(seeds[n]) for n in plotted})
+        fig.legend(
+            handles, labels, loc="outside lower center", ncols=min(6, len(plotted)), fontsize=8,
+            title=legend_title, title_fontsize=8, frameon=False,
+        )  # fmt: skip
     if title:
         fig.suptitle(title)
     out_path = Path(out_path)
