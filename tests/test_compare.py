@@ -133,7 +133,7 @@ def test_tiny_sweep_through_verl_writes_the_table_and_the_figure(ray_cluster, tm
     samples = [
         json.loads(line)
         for c in E2E_CONFIGS
-        for dump in sorted((out / c / "s0" / "rollouts").glob("*.jsonl"))
+        for dump in sorted((out / c / "s0" / "rollouts").glob("[0-9]*.jsonl"))  # verl's <step>.jsonl, not tokens_*
         for line in dump.read_text().splitlines()
     ]
     assert len(samples) == 2 * 2 * 8 * 16
