@@ -172,8 +172,9 @@ def machine() -> str:
 def write_outputs(out: Path, results: dict, seeds_paths: list[tuple[str, Path]]) -> dict[str, str]:
     """``results.json``, ``results.md`` and, when any run logged a step, the figure ``rewards.png``."""
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    task = results.get("task", DEFAULT_TASK)  # a results.json written before --task existed: the demo's task
     md = (
-        f"Task {results.get('task', DEFAULT_TASK)}, {results['steps']} steps per run, seeds {results['seeds']}, "
+        f"Task {task}, {results['steps']} steps per run, seeds {results['seeds']}, "
         f"{results['machine']}; "
         f"wall time {results['wall_s'] / 60:.1f} min.\n\n`{results['command']}`\n\n" + markdown_table(results)
     )
@@ -183,10 +184,7 @@ def write_outputs(out: Path, results: dict, seeds_paths: list[tuple[str, Path]])
     figure = out / "rewards.png"
     env = dict(os.environ)
     env.setdefault("MPLBACKEND", "Agg")
-    title = (
-        f"CPU demo ({results.get('task', DEFAULT_TASK)}), {results['steps']} steps, "
-        f"mean over {len(results['seeds'])} seed(s), band = min-max"
-    )
+    title = f"CPU demo ({task}), {results['steps']} steps, mean over {len(results['seeds'])} seed(s), band = min-max"
     if runs and run_viz(
         ["curves", *runs, "--metrics", REWARD_KEY, ENTROPY_KEY, "--out", str(figure), "--title", title], env
     ):

@@ -71,6 +71,9 @@ def score_response(response: str, target: str, word_index: int = 0) -> float:
     return 1.0 if len(words) > word_index and words[word_index] == str(target).strip() else 0.0
 
 
+_SOURCE_WORD_INDEX = {task_data_source(task): index for task, index in TASK_WORD_INDEX.items()}
+
+
 def compute_score(data_source=None, solution_str: str = "", ground_truth: str = "", extra_info=None, **kwargs) -> float:
     """verl custom reward (``reward.custom_reward_function``): the 0/1 reward of a decoded response.
 
@@ -78,15 +81,12 @@ def compute_score(data_source=None, solution_str: str = "", ground_truth: str = 
     demo's reward is only ever configured for the demo's own parquet files, so another source is a wiring error.
     """
     source = DATA_SOURCE if data_source is None else str(data_source)
-    task = source.removeprefix(DATA_SOURCE_PREFIX)
-    if not source.startswith(DATA_SOURCE_PREFIX) or task not in TASK_WORD_INDEX:
-        raise ValueError(
-            f"data_source={source!r}: not a CPU demo task; known: "
-            + ", ".join(DATA_SOURCE_PREFIX + t for t in TASK_WORD_INDEX)
-        )
+    word_index = _SOURCE_WORD_INDEX.get(source)
+    if word_index is None:
+        raise ValueError(f"data_source={source!r}: not a CPU demo task; known: {', '.join(_SOURCE_WORD_INDEX)}")
     if solution_str is None:
         return 0.0
-    return score_response(str(solution_str), str(ground_truth), TASK_WORD_INDEX[task])
+    return score_response(str(solution_str), str(ground_truth), word_index)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -165,6 +165,7 @@ def recipe_key(seed: int, task: str = DEFAULT_TASK) -> str:
             "model": MODEL_RECIPE,
             "data": DATA_RECIPE,
             "seed": seed,
+            # the default task is left out, so its cache folders from before tasks existed stay valid
             **({} if task == DEFAULT_TASK else {"task": check_task(task)}),
             "transformers": transformers.__version__,
             "tokenizers": tokenizers.__version__,

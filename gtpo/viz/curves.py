@@ -233,9 +233,10 @@ def plot_curves(
                 if not have:
                     continue
                 source = metric_title(key)[1]
-                label = name if len(panel_keys) == 1 else f"{name} · {source or key}"
-                if crowded:
+                if crowded:  # the run's name is in the figure legend
                     label = None
+                else:
+                    label = name if len(panel_keys) == 1 else f"{name} · {source or key}"
                 style = {"color": colours[name], "linestyle": styles[panel_keys.index(key) % len(styles)]}
                 if len(logs) > 1:
                     steps, values, lo, hi = _seed_stats(have)
