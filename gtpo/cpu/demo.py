@@ -20,7 +20,7 @@ Assets (built offline into ``$GTPO_CACHE_DIR`` or ``~/.cache/gtpo/tiny``, one fo
   fail). The chat template renders the user content only, so prompt ids are exactly ``[say, d]``. The tokenizer
   lives in its own folder and is passed as ``actor_rollout_ref.model.tokenizer_path``: transformers 5 replaces a
   tokenizer saved next to a Qwen2 ``config.json`` by a byte-level one rebuilt from the vocabulary.
-* a random ``Qwen2ForCausalLM`` (hidden 64, 2 layers, 4 heads / 2 KV heads, intermediate 128, tied embeddings,
+* a random ``Qwen2ForCausalLM`` (hidden 64, 2 layers, 2 heads of size 32 / 1 KV head, intermediate 128, tied embeddings,
   ``vocab_size`` = tokenizer size, float32; ~77k parameters), initialised with ``--seed``;
 * ``train.parquet`` (the ten prompts, each repeated 100 times) and ``val.parquet`` (each prompt once).
 

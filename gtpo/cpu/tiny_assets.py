@@ -6,7 +6,7 @@ Nothing is downloaded. Everything is derived from files already installed or shi
   (:mod:`gtpo.cpu.qwen25_tokenizer`); ids match the released Qwen2.5 tokenizer. It is saved in its own folder:
   transformers 5 ignores a tokenizer saved next to a Qwen2 ``config.json``, so pass
   ``actor_rollout_ref.model.tokenizer_path`` explicitly.
-* Model: random-initialised ``Qwen2ForCausalLM`` (hidden 64, 2 layers, 4 heads / 2 KV heads, intermediate 128,
+* Model: random-initialised ``Qwen2ForCausalLM`` (hidden 64, 2 layers, 2 heads of size 32 / 1 KV head, intermediate 128,
   tied embeddings, float32 safetensors, seed 0). ``vocab_size = 151936`` as in the released Qwen2.5 0.5B-14B
   checkpoints: the embedding must cover all 151,665 tokenizer ids, and keeping Qwen's padded size exercises the
   same ``vocab_size > len(tokenizer)`` situation as the real models (ids 151665-151935 can be sampled by a random
@@ -64,8 +64,8 @@ MODEL_RECIPE = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
     max_position_embeddings=4096,
     rope_theta=1_000_000.0,
     rms_norm_eps=1e-6,

@@ -50,7 +50,7 @@ from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.debug import marked_timer
 from verl.workers.utils.padding import response_to_nested
 
-from gtpo.verl_plugin import checkpoint_state, file_log, forking, startup_checks
+from gtpo.verl_plugin import checkpoint_state, file_log, forking, startup_checks, watchdog
 from gtpo.verl_plugin.dynamic_sampling import bound_generation_rounds
 
 # Estimators registered by this recipe that take the extra keyword arguments.
@@ -92,9 +92,12 @@ class GTPOTrainerMixin:
             if not float(poll_interval) > 0:
                 raise ValueError(f"trainer.v1.sampler.sampler_kwargs.poll_interval={poll_interval!r}: must be > 0 s")
             buffer.poll_interval = float(poll_interval)
-        return bound_generation_rounds(buffer, self.config.algorithm)
+        # A generation that stops making progress fails within algorithm.watchdog.generation_s, naming the stage.
+        return watchdog.watch_generation(bound_generation_rounds(buffer, self.config.algorithm), self)
 
     def on_init_end(self):
+        # Before verl's first weight sync (in the base class's on_init_end): each sync gets its deadline.
+        watchdog.watch_weight_sync(self)
         super().on_init_end()
         # A reward worker that failed in its constructor stops the run here, with its own error.
         startup_checks.check_reward_workers(self)

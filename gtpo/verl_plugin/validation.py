@@ -17,6 +17,7 @@ KNOB_BLOCKS: dict[str, tuple[str, str]] = {
     "grop": ("gtpo.algorithms.length_penalty", "GROPParams"),
     "gtpo_traj": ("gtpo.algorithms.trajectory", "GTPOTrajParams"),
     "forking": ("gtpo.verl_plugin.forking", "ForkingParams"),
+    "watchdog": ("gtpo.verl_plugin.watchdog", "WatchdogParams"),
 }
 
 # GROP (paper A, App. D) is applied inside these estimators, to the sequence reward before shaping.

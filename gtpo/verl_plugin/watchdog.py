@@ -1,0 +1,320 @@
+"""A weight sync or a generation that stops making progress fails the run within a bounded time, naming the stage.
+
+Why: verl 0.9.1 waits without a deadline at the two places where its rollout engine can stall. A weight sync is
+``ray.get`` on the actor workers' ``update_weights``, whose sender waits on its socket for the vLLM worker; when
+the worker fails to load the weights (a vLLM that replaced the parameters it loads into, a dtype or shape
+mismatch), the exception stays in the worker's log and the trainer waits forever. Generation is the replay
+buffer polling TransferQueue until a batch of responses has finished; a dead or wedged engine leaves it polling
+forever. On a cluster either is hours of idle GPUs with nothing in the log.
+
+Knobs (``algorithm.watchdog``, 0 turns a limit off):
+
+* ``weight_sync_s``: wall-clock limit of one weight-sync call of verl's checkpoint manager (``update_weights``, and
+  the pause / resume / sleep calls around it in the asynchronous trainers);
+* ``generation_s``: limit on time *without progress* while a batch is generated: progress is any change of the
+  replay buffer's counts of pending, running, finished and failed responses, so a long but moving generation
+  (4,096-token responses at 32B) never trips it;
+* ``grace_s``: after a limit passes, how long the trainer may take to fail on its own before its process exits.
+
+When a limit passes, a background thread logs the stage, its limit and its knob with the stacks of every thread of
+the trainer process, then stops the trainer's worker actors (the actor/rollout workers and the rollout servers), so
+that the blocked ``ray.get`` returns; the trainer then raises :class:`StageTimeoutError` with that message (in the
+generation stage it raises from the polling loop itself). If the process is still there ``grace_s`` later, it
+exits with :data:`EXIT_CODE`, so no stall outlives its limit by more than ``grace_s``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+__all__ = ["EXIT_CODE", "StageTimeoutError", "StageWatchdog", "WatchdogParams"]
+
+# The trainer process's exit status when a stalled stage did not end by itself within grace_s.
+EXIT_CODE = 75
+
+
+@dataclass(frozen=True)
+class WatchdogParams:
+    """``algorithm.watchdog``: per-stage limits in seconds (0 = no limit)."""
+
+    weight_sync_s: float = 1800.0
+    generation_s: float = 1800.0
+    grace_s: float = 60.0
+
+    def __post_init__(self):
+        for name in ("weight_sync_s", "generation_s", "grace_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name}={value!r}: must be a number of seconds >= 0 (0 turns the limit off)")
+        if self.grace_s == 0:
+            raise ValueError("grace_s=0: must be > 0 s (the time the trainer has to fail on its own)")
+
+
+class StageTimeoutError(RuntimeError):
+    """A trainer stage made no progress within its limit."""
+
+
+@dataclass
+class _Stage:
+    name: str
+    limit_s: float
+    knob: str
+    detail: Callable[[], str]
+    started: float
+    last_progress: float
+
+
+class StageWatchdog:
+    """Deadlines for the trainer's blocking stages, enforced by a daemon thread.
+
+    Args:
+        on_expire: called from the watchdog thread once a stage has expired (e.g. to stop the worker actors the
+            main thread waits on); its exceptions are logged, never raised.
+        grace_s: seconds the main thread has, after the expiry, to raise before the process exits.
+        poll_s: how often the thread looks at the current stage.
+        exit_fn: how the process ends after the grace period (``os._exit``; tests pass a recorder).
+    """
+
+    def __init__(
+        self,
+        on_expire: Callable[[str], None] | None = None,
+        grace_s: float = 60.0,
+        poll_s: float = 0.5,
+        exit_fn: Callable[[int], None] = os._exit,
+    ):
+        self._on_expire = on_expire
+        self._grace_s = float(grace_s)
+        self._poll_s = float(poll_s)
+        self._exit_fn = exit_fn
+        self._lock = threading.Lock()
+        self._stage: _Stage | None = None
+        self._expired: str | None = None
+        self._raised = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------------- main thread
+
+    @contextmanager
+    def stage(self, name: str, limit_s: float, knob: str, detail: Callable[[], str] | None = None):
+        """Run the block as stage ``name`` with deadline ``limit_s`` (0: no deadline; nested stages: the outer one)."""
+        with self._lock:
+            owner = limit_s > 0 and self._stage is None
+            if owner:
+                now = time.monotonic()
+                self._stage = _Stage(name, float(limit_s), knob, detail or (lambda: ""), now, now)
+        if owner:
+            self._start_thread()
+        try:
+            yield self
+        except BaseException as err:
+            if owner and self._expired is not None:
+                self._raised = True
+                raise StageTimeoutError(self._expired) from err
+            raise
+        finally:
+            if owner:
+                with self._lock:
+                    self._stage = None
+        if owner and self._expired is not None:
+            self._raised = True
+            raise StageTimeoutError(self._expired)
+
+    def progress(self) -> None:
+        """The current stage moved: its no-progress deadline starts again."""
+        with self._lock:
+            if self._stage is not None:
+                self._stage.last_progress = time.monotonic()
+
+    def check(self) -> None:
+        """From the stage's own loop: raise :class:`StageTimeoutError` once the stage is past its deadline."""
+        message = self._expire_if_due(stop_workers=False)
+        if message is not None:
+            self._raised = True
+            raise StageTimeoutError(message)
+
+    @property
+    def expired(self) -> str | None:
+        """The expiry message, once a stage has expired."""
+        return self._expired
+
+    # ------------------------------------------------------------------------------------------ watchdog thread
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gtpo-stage-watchdog", daemon=True)
+            self._thread.start()
+
+    def _expire_if_due(self, stop_workers: bool) -> str | None:
+        with self._lock:
+            stage = self._stage
+            if self._expired is not None:
+                return self._expired
+            if stage is None:
+                return None
+            now = time.monotonic()
+            idle = now - stage.last_progress
+            if idle <= stage.limit_s:
+                return None
+            moving = "" if stage.last_progress == stage.started else f", {_seconds(now - stage.started)} s in all"
+            detail = _safe(stage.detail)
+            self._expired = (
+                f"gtpo watchdog: stage '{stage.name}' made no progress for {_seconds(idle)} s{moving}, over its limit "
+                f"{stage.knob}={stage.limit_s:g}" + (f": {detail}" if detail else "")
+            )
+            message = self._expired
+        print(message, file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if stop_workers and self._on_expire is not None:
+            try:
+                self._on_expire(message)
+            except Exception as err:  # noqa: BLE001 - the watchdog must reach its exit below
+                print(f"gtpo watchdog: stopping the workers failed: {err!r}", file=sys.stderr, flush=True)
+        return message
+
+    def _run(self) -> None:
+        expired_at = None
+        while True:
+            time.sleep(self._poll_s)
+            if expired_at is None:
+                if self._expire_if_due(stop_workers=True) is not None:
+                    expired_at = time.monotonic()
+            elif not self._raised and time.monotonic() - expired_at > self._grace_s:
+                print(
+                    f"{self._expired}; the trainer did not fail within {self._grace_s:g} s "
+                    f"(algorithm.watchdog.grace_s), exiting with status {EXIT_CODE}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self._exit_fn(EXIT_CODE)
+                return
+            elif self._raised:
+                return
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
+def _safe(fn: Callable[[], str]) -> str:
+    try:
+        return str(fn())
+    except Exception as err:  # noqa: BLE001 - a diagnostic must not hide the expiry
+        return f"<no detail: {err!r}>"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the trainer's stages
+
+KNOB = "algorithm.watchdog"
+# verl's CheckpointEngineManager calls the trainers make around a weight sync (v1 sync and async trainers).
+WEIGHT_SYNC_CALLS = ("update_weights", "abort_replicas", "resume_generation_replicas", "sleep_replicas")
+# The replay buffer's per-partition key sets whose sizes measure generation progress.
+GENERATION_COUNTS = ("pending_keys", "running_keys", "finished_keys", "failure_keys")
+
+
+def params_of(trainer) -> WatchdogParams:
+    """The trainer's ``algorithm.watchdog`` block, parsed once."""
+    params = trainer.__dict__.get("_gtpo_watchdog_params")
+    if params is None:
+        from gtpo.verl_plugin.config import load_knobs
+
+        params = load_knobs(WatchdogParams, trainer.config.algorithm.get("watchdog", None), KNOB)
+        trainer.__dict__["_gtpo_watchdog_params"] = params
+    return params
+
+
+def watchdog_of(trainer) -> StageWatchdog:
+    """The trainer's one :class:`StageWatchdog`, created on first use; on expiry it stops the trainer's workers."""
+    watchdog = trainer.__dict__.get("_gtpo_watchdog")
+    if watchdog is None:
+        watchdog = StageWatchdog(on_expire=lambda message: stop_workers(trainer), grace_s=params_of(trainer).grace_s)
+        trainer.__dict__["_gtpo_watchdog"] = watchdog
+    return watchdog
+
+
+def stop_workers(trainer) -> int:
+    """Kill the actor/rollout workers and the rollout servers, so that a ``ray.get`` waiting on them returns."""
+    import ray
+
+    handles = list(getattr(getattr(trainer, "actor_rollout_wg", None), "workers", None) or [])
+    for replica in getattr(getattr(trainer, "checkpoint_manager", None), "replicas", None) or []:
+        handles.extend(getattr(replica, "servers", None) or [])
+    for handle in handles:
+        ray.kill(handle, no_restart=True)
+    print(f"gtpo watchdog: stopped {len(handles)} worker actors", file=sys.stderr, flush=True)
+    return len(handles)
+
+
+def watch_weight_sync(trainer) -> None:
+    """Give each weight-sync call of ``trainer.checkpoint_manager`` the ``weight_sync_s`` deadline (idempotent)."""
+    limit = params_of(trainer).weight_sync_s
+    manager = getattr(trainer, "checkpoint_manager", None)
+    if limit <= 0 or manager is None or getattr(manager, "_gtpo_watched", False):
+        return
+    watchdog = watchdog_of(trainer)
+    for name in WEIGHT_SYNC_CALLS:
+        call = getattr(manager, name, None)
+        if call is None:
+            continue
+
+        def watched(*args, _call=call, _name=name, **kwargs):
+            detail = (
+                f"verl's checkpoint manager {_name}() did not return; the rollout engine's log (vLLM worker) shows "
+                "why it stopped taking the weights"
+            )
+            with watchdog.stage(f"weight sync ({_name})", limit, f"{KNOB}.weight_sync_s", lambda: detail):
+                return _call(*args, **kwargs)
+
+        setattr(manager, name, watched)
+    manager._gtpo_watched = True
+
+
+def watch_generation(buffer, trainer):
+    """Give the replay buffer's sampling the ``generation_s`` no-progress deadline; returns ``buffer``."""
+    limit = params_of(trainer).generation_s
+    if limit <= 0 or getattr(buffer, "_gtpo_watched", False):
+        return buffer
+    watchdog = watchdog_of(trainer)
+    seen: dict[str, tuple[int, ...]] = {}
+
+    def counts(partition_id: str) -> tuple[int, ...]:
+        return tuple(len((getattr(buffer, attr, None) or {}).get(partition_id, ())) for attr in GENERATION_COUNTS)
+
+    poll = buffer._wait_for_next_poll
+
+    def _wait_for_next_poll(partition_id, last_debug_time):
+        now = counts(partition_id)
+        if seen.get(partition_id) != now:
+            seen[partition_id] = now
+            watchdog.progress()
+        watchdog.check()
+        return poll(partition_id, last_debug_time)
+
+    buffer._wait_for_next_poll = _wait_for_next_poll
+
+    for name in ("sample", "wait_for_sampleable"):
+        call = getattr(buffer, name, None)
+        if call is None:
+            continue
+
+        def watched(global_steps, partition_id, *args, _call=call, **kwargs):
+            def detail() -> str:
+                pending, running, finished, failed = counts(partition_id)
+                return (
+                    f"the rollout finished no response (partition {partition_id!r}: {pending} pending, {running} "
+                    f"running, {finished} finished, {failed} failed)"
+                )
+
+            with watchdog.stage("generation", limit, f"{KNOB}.generation_s", detail):
+                return _call(global_steps, partition_id, *args, **kwargs)
+
+        setattr(buffer, name, watched)
+    buffer._gtpo_watched = True
+    return buffer

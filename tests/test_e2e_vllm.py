@@ -1,0 +1,248 @@
+"""verl's vLLM rollout on CPU, as a cluster launcher configures it, and a weight sync broken on purpose.
+
+    .venv/bin/python -m pytest -q -m e2e tests/test_e2e_vllm.py
+
+1. ``scripts/run_gtpo_qwen2.5_7b.sh trainer=colocate_async`` runs, through the launcher script itself, with the
+   launcher's own presets (method, the model preset's rollout block, scale, sampling, trainer mode). The CPU run
+   replaces only what a CPU cannot have (model, lengths, batch and token budgets, GPU counts, the CPU backend's
+   platform settings: ``CPU_REPLACED``); a dry run of both configurations checks that nothing else differs, so
+   the launcher's sampling, chunked prefill, ``max_num_batched_tokens``, ``free_cache_engine``, ``load_format``,
+   log-prob and dtype settings of vLLM run as set. Under ``colocate_async`` the next batch is generated while a
+   step trains: the run checks that a pause aborted requests in flight and that they were resumed with the new
+   weights (responses that span two policy versions).
+2. The same trainer with the vLLM patch that keeps the weights reloadable switched off (``VLLM_PLUGINS`` names
+   only another plugin): the first weight sync fails in the vLLM worker, verl's sender waits on its socket, and
+   the watchdog ends the run within ``algorithm.watchdog.weight_sync_s``, naming the stage.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e_support import REPO_ROOT, read_metrics, run_recipe, tail
+from tests.test_e2e_trainer import COIN_REWARD, base_overrides
+from tests.test_launch_scripts import dry_run_env, resolved_config
+
+pytestmark = pytest.mark.e2e
+
+LAUNCHER = REPO_ROOT / "scripts" / "run_gtpo_qwen2.5_7b.sh"
+LAUNCHER_ARGS = ["trainer=colocate_async"]
+
+# What the CPU run sets beyond the backend preset: a 48-token response (long enough that a pause finds requests
+# in flight), 2 prompts, token budgets that fit the tiny model's 151,936-way logits in memory, 2 steps.
+CPU_ARGS = [
+    "backend=cpu_tiny",
+    "actor_rollout_ref.model.tokenizer_path=@TOKENIZER@",
+    "data.max_response_length=48",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1024",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=1024",
+    f"reward.custom_reward_function.path={COIN_REWARD}",
+    "reward.custom_reward_function.name=compute_score",
+    "algorithm.filter_groups.enable=false",
+]
+
+# Config keys the CPU run may differ in from the launcher's, by prefix, each for a reason the CPU imposes.
+CPU_REPLACED = {
+    # the tiny offline model, tokenizer and data
+    "actor_rollout_ref.model.path": "tiny model",
+    "actor_rollout_ref.model.tokenizer_path": "tiny model",
+    "data.train_files": "tiny data",
+    "data.val_files": "tiny data",
+    "reward.custom_reward_function": "a coin-flip reward: mixed groups from a random model",
+    "algorithm.filter_groups.enable": "no dynamic sampling: a random model gives few mixed groups",
+    # lengths
+    "data.max_prompt_length": "length",
+    "data.max_response_length": "length",
+    "actor_rollout_ref.rollout.prompt_length": "length",
+    "actor_rollout_ref.rollout.response_length": "length",
+    "actor_rollout_ref.rollout.max_model_len": "length",
+    "reward.reward_kwargs.max_resp_len": "length",
+    "reward.reward_kwargs.overlong_buffer_cfg.len": "length",
+    "algorithm.grop.dapo_max_length": "length",
+    # batch and token budgets
+    "data.train_batch_size": "batch",
+    "data.dataloader_num_workers": "batch",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "batch",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "batch",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "budget",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "batch",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "budget",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "batch",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "budget",
+    # GPU counts and the CPU platform (configs/backend/cpu_tiny.yaml says why for each)
+    "trainer.n_gpus_per_node": "GPU count",
+    "trainer.nnodes": "GPU count",
+    "trainer.device": "CPU platform",
+    "ray_kwargs": "one machine, fake GPU",
+    "transfer_queue.backend.SimpleStorage.num_data_storage_units": "one machine",
+    "reward.num_workers": "two cores",
+    "actor_rollout_ref.rollout.agent.num_workers": "two cores",
+    "actor_rollout_ref.model.use_remove_padding": "no flash-attention on CPU",
+    "actor_rollout_ref.model.override_config": "SDPA instead of flash-attention",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "tiny model",
+    "actor_rollout_ref.actor.use_remove_padding": "no flash-attention on CPU (follows the model's)",
+    "actor_rollout_ref.ref.use_torch_compile": "follows the actor's",
+    "critic.strategy": "FSDP1 needs an accelerator (no critic runs)",
+    "critic.ppo_mini_batch_size": "batch (no critic runs)",
+    "distillation.teacher_models.teacher_model.inference": "follows the rollout's dtype and lengths (distillation off)",
+    "actor_rollout_ref.actor.use_torch_compile": "no inductor on the actor's CPU helpers",
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision": "fp32 training (no fast bf16 CPU kernels)",
+    "actor_rollout_ref.ref.fsdp_config.mixed_precision": "fp32 training",
+    "actor_rollout_ref.rollout.enable_sleep_mode": "vLLM refuses sleep mode on CPU",
+    "actor_rollout_ref.rollout.enforce_eager": "no torch.compile of the tiny model in vLLM",
+    "actor_rollout_ref.rollout.dtype": "fp32 like the trainer",
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes": "CPU KV cache size",
+    "actor_rollout_ref.actor.use_kl_loss": "no reference model on CPU",
+    "algorithm.use_kl_in_reward": "no reference model on CPU",
+    "algorithm.watchdog": "CPU stage deadlines",
+    # a two-step test run
+    "trainer.total_training_steps": "test length",
+    "trainer.val_before_train": "test length",
+    "trainer.test_freq": "test length",
+    "trainer.save_freq": "test length",
+    "trainer.resume_mode": "test run",
+    "trainer.logger": "test run",
+    "trainer.v1.sampler.sampler_kwargs.poll_interval": "CPU steps take seconds",
+}
+
+# The launcher's vLLM settings that must reach the CPU run unchanged (checked by name, beyond the diff).
+VLLM_AS_SET = (
+    "n", "temperature", "top_p", "top_k", "calculate_log_probs", "enable_chunked_prefill", "max_num_batched_tokens",
+    "free_cache_engine", "load_format", "gpu_memory_utilization", "enable_prefix_caching", "max_num_seqs",
+)  # fmt: skip
+
+
+def _flatten(node, prefix: str = "") -> dict[str, object]:
+    """Dotted leaf keys of a nested dict (an empty mapping has no leaves)."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): node}
+
+
+def _allowed(key: str) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in CPU_REPLACED)
+
+
+@pytest.fixture(scope="module")
+def tiny_assets():
+    from gtpo.cpu.tiny_assets import build_tiny_assets
+
+    return build_tiny_assets()
+
+
+def _launcher_env(tmp: Path, assets, extra: dict[str, str]) -> dict[str, str]:
+    env = dry_run_env(tmp)
+    env.update(
+        NNODES="1", NGPUS_PER_NODE="1", MODEL_PATH=str(assets.model_dir), TRAIN_FILE=str(assets.train_parquet),
+        TEST_FILE=str(assets.val_parquet), CKPTS_DIR=str(tmp / "ckpt"), **extra,
+    )  # fmt: skip
+    return env
+
+
+def _cpu_args(assets) -> list[str]:
+    return [a.replace("@TOKENIZER@", str(assets.tokenizer_dir)) for a in CPU_ARGS]
+
+
+def _dry_config(tmp: Path, assets, args: list[str]) -> dict:
+    proc = subprocess.run(
+        ["bash", str(LAUNCHER), *args], cwd=tmp, env=_launcher_env(tmp, assets, {}), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return resolved_config(proc.stdout)
+
+
+def test_launcher_rollout_settings_run_on_cpu_with_an_in_flight_pause(ray_cluster, tiny_assets, tmp_path):
+    from gtpo.cpu import env as cpu_env
+
+    launcher = _flatten(_dry_config(tmp_path, tiny_assets, LAUNCHER_ARGS))
+    cpu_args = [*LAUNCHER_ARGS, *_cpu_args(tiny_assets)]
+    # The backend preset's test sampling (n=4) gives way to the launcher's: its vLLM settings run as it sets them.
+    backend_only = _flatten(_dry_config(tmp_path, tiny_assets, cpu_args))
+    for key in VLLM_AS_SET:
+        dotted = f"actor_rollout_ref.rollout.{key}"
+        if backend_only[dotted] != launcher[dotted]:
+            cpu_args.append(f"{dotted}={launcher[dotted]}")
+    cpu_run = _flatten(_dry_config(tmp_path, tiny_assets, cpu_args))
+    differing = sorted(
+        k for k in set(launcher) | set(cpu_run) if launcher.get(k, "<absent>") != cpu_run.get(k, "<absent>")
+    )
+    unexplained = [
+        f"{k}: {launcher.get(k, '<absent>')!r} -> {cpu_run.get(k, '<absent>')!r}" for k in differing if not _allowed(k)
+    ]
+    assert not unexplained, "the CPU run changes launcher settings a CPU could run:\n" + "\n".join(unexplained)
+    for key in VLLM_AS_SET:
+        dotted = f"actor_rollout_ref.rollout.{key}"
+        assert cpu_run[dotted] == launcher[dotted], dotted
+    assert cpu_run["trainer.v1.trainer_mode"] == "gtpo_colocate_async" and cpu_run["actor_rollout_ref.rollout.n"] == 16
+
+    # The real run, through the launcher script, joining the session's Ray cluster.
+    metrics_path = tmp_path / "metrics.jsonl"
+    env = _launcher_env(tmp_path, tiny_assets, {"RAY_ADDRESS": ray_cluster.address, "RAY_AUTH_MODE": "disabled"})
+    env.pop("DRY_RUN")
+    env.update({k: v for k, v in cpu_env(base=env).items()})
+    env["VERL_LOGGING_LEVEL"] = "INFO"  # verl's server logs each abort with the number of requests it cut
+    runtime_env = "+ray_kwargs.ray_init.runtime_env.env_vars"
+    args = [
+        *cpu_args, "ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null",
+        "trainer.logger=[console,file]", f"{runtime_env}.VERL_FILE_LOGGER_PATH={metrics_path}",
+        f"{runtime_env}.VERL_LOGGING_LEVEL=INFO", f"hydra.run.dir={tmp_path / 'hydra'}",
+    ]  # fmt: skip
+    log_path = tmp_path / "launcher.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.run(
+            ["bash", str(LAUNCHER), *args], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900
+        )
+    log_text = log_path.read_text(errors="replace")
+    assert proc.returncode == 0, tail(log_text)
+    metrics = read_metrics(metrics_path)
+    assert [m["step"] for m in metrics] == [1, 2], tail(log_text)
+
+    # verl's vLLM server and engine generated (not a stand-in), with the launcher's sampling
+    assert "vLLMHttpServer" in log_text and "EngineCore" in log_text
+    assert all(m["data"]["response_length/mean"] > 1 for m in metrics)
+    # a pause found requests in flight: verl's server aborted them ...
+    aborted = [int(n) for n in re.findall(r"Aborted (\d+) requests", log_text)]
+    assert aborted and max(aborted) > 0, f"no pause aborted a running request (aborts: {aborted})"
+    # ... and they were resumed with the new weights: a response of step 2 spans two policy versions
+    assert max(m["data"]["gtpo/trajectory_spans_max"] for m in metrics) >= 2, [m["data"] for m in metrics]
+    # the weights reached the server at every sync: rollout and trainer log-probs agree
+    for m in metrics:
+        assert m["data"]["training/rollout_actor_probs_pearson_corr"] > 0.99, m["data"]
+
+
+def test_a_broken_weight_sync_fails_within_its_limit_naming_the_stage(ray_cluster, tiny_assets, tmp_path):
+    from vllm import _custom_ops as ops
+
+    if not ops._supports_onednn:
+        pytest.skip("this vLLM CPU build packs no weights away (no oneDNN), so switching the patch off breaks nothing")
+    limit = 30
+    overrides = base_overrides(tiny_assets) + [
+        "method=gtpo",
+        "algorithm.filter_groups.enable=false",
+        f"algorithm.watchdog.weight_sync_s={limit}",
+        "algorithm.watchdog.grace_s=30",
+        # every vLLM plugin but the recipe's: vLLM packs the fp32 linear weights away and the first sync breaks
+        "+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_PLUGINS=lora_filesystem_resolver",
+    ]
+    start = time.monotonic()
+    result = run_recipe(ray_cluster, tmp_path, overrides, timeout=600, name="broken_sync")
+    elapsed = time.monotonic() - start
+    assert result.returncode not in (0, -9), f"the run did not fail on its own (rc={result.returncode})"
+    log = result.log
+    assert "AttributeError: 'Parameter' object has no attribute 'weight_loader'" in log, tail(log)
+    assert re.search(r"gtpo watchdog: stage 'weight sync \(update_weights\)' made no progress for \d+ s", log), tail(
+        log
+    )
+    assert "StageTimeoutError" in log and f"algorithm.watchdog.weight_sync_s={limit}" in log
+    assert elapsed < 420, f"the broken run took {elapsed:.0f} s"
+    assert not result.metrics  # it never trained
