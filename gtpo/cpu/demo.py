@@ -119,6 +119,7 @@ from gtpo.cpu.demo_trainer import (
     trainer_command,
     trainer_env,
 )
+from gtpo.verl_plugin.watchdog import find_expiry
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -253,8 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] token heatmap of step {summary['heatmap_step']}: {summary['heatmap']}")
     print(f"[demo] metrics: {out / 'metrics.jsonl'}; summary: {out / 'summary.json'}")
     if rc != 0:
+        log_text = log_path.read_text(errors="replace")
+        stalled = find_expiry(log_text)
+        if stalled:
+            print(f"[demo] {stalled}", file=sys.stderr)
         print(f"[demo] the trainer failed; last lines of {log_path}:", file=sys.stderr)
-        print("\n".join(log_path.read_text(errors="replace").splitlines()[-30:]), file=sys.stderr)
+        print("\n".join(log_text.splitlines()[-30:]), file=sys.stderr)
     return 0 if rc == 0 else 1
 
 

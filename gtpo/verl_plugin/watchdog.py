@@ -34,10 +34,21 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["EXIT_CODE", "StageTimeoutError", "StageWatchdog", "WatchdogParams"]
+__all__ = ["EXIT_CODE", "StageTimeoutError", "StageWatchdog", "WatchdogParams", "find_expiry"]
 
 # The trainer process's exit status when a stalled stage did not end by itself within grace_s.
 EXIT_CODE = 75
+# How every expiry message starts (a log reader finds it by this).
+MESSAGE_PREFIX = "gtpo watchdog: stage '"
+
+
+def find_expiry(log_text: str) -> str | None:
+    """The first expiry message in a trainer log (without Ray's line prefix), or None."""
+    for line in log_text.splitlines():
+        at = line.find(MESSAGE_PREFIX)
+        if at >= 0:
+            return line[at:].strip()
+    return None
 
 
 @dataclass(frozen=True)
@@ -165,7 +176,7 @@ class StageWatchdog:
             moving = "" if stage.last_progress == stage.started else f", {_seconds(now - stage.started)} s in all"
             detail = _safe(stage.detail)
             self._expired = (
-                f"gtpo watchdog: stage '{stage.name}' made no progress for {_seconds(idle)} s{moving}, over its limit "
+                f"{MESSAGE_PREFIX}{stage.name}' made no progress for {_seconds(idle)} s{moving}, over its limit "
                 f"{stage.knob}={stage.limit_s:g}" + (f": {detail}" if detail else "")
             )
             message = self._expired
