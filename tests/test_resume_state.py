@@ -1,8 +1,9 @@
-"""Resume keeps everything: the file logger's history (verl's real ``Tracking``) and the recipe's checkpoint state.
+"""Resume keeps everything: the trackers' history (verl's real ``Tracking``) and the recipe's checkpoint state.
 
     PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/test_resume_state.py
 
-The hard-kill run through the real trainer is tests/test_e2e_resume.py.
+Which checkpoint a resume starts from is tests/test_resume_checkpoint.py; the hard-kill run through the real trainer
+is tests/test_e2e_resume.py.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from gtpo.verl_plugin import checkpoint_state, file_log
+from gtpo.metric_log import read_file_log
+from gtpo.verl_plugin import checkpoint_state, metric_history
 from gtpo.verl_plugin import trajectory as traj_adapter
 
 
-def _tracking(project="proj", experiment="exp"):
+def _tracking(project="proj", experiment="exp", backends=("file",)):
     from verl.utils.tracking import Tracking
 
-    return Tracking(project_name=project, experiment_name=experiment, default_backend=["file"])
+    return Tracking(project_name=project, experiment_name=experiment, default_backend=list(backends))
 
 
 def _log_steps(tracking, steps, tag):
@@ -29,6 +31,14 @@ def _log_steps(tracking, steps, tag):
 
 def _raw_steps(path):
     return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def _resumed(path, step, backends=("file",)):
+    """A resumed run's Tracking at ``step``, as the trainer builds it: history first, then verl's Tracking."""
+    history = metric_history.MetricHistory(step, str(path) if "file" in backends else None)
+    tracking = _tracking(backends=backends)
+    history.attach(tracking)
+    return tracking
 
 
 @pytest.fixture
@@ -48,94 +58,161 @@ def test_verl_file_logger_truncates_without_the_history(log_path):
     assert log_path.read_text() == ""
 
 
-def test_history_survives_a_resume_and_repeats_count_once(log_path):
+def test_resume_keeps_steps_up_to_the_checkpoint_once_each(log_path):
     first = _tracking()
     _log_steps(first, [1, 2, 3, 4, 5], "first")  # killed during step 6, last checkpoint at step 4
     first.finish()
-    history = file_log.FileLogHistory(file_log.file_logger_path("proj", "exp"))
-    history.set_aside()
-    resumed = _tracking()
-    history.reattach(resumed)
+    before = log_path.read_text().splitlines()
+    resumed = _resumed(log_path, 4)
+    assert _raw_steps(log_path) == [1, 2, 3, 4]  # the killed run's step 5 is gone before anything is logged
+    assert log_path.read_text().splitlines() == before[:4]  # the kept lines, byte for byte
     resumed.log(data={"val-core/x/acc/mean@1": 0.5}, step=4)  # validation before training, at the resumed step
     _log_steps(resumed, [5, 6], "resumed")
     resumed.finish()
 
-    assert _raw_steps(log_path) == [1, 2, 3, 4, 5, 4, 5, 6]
-    records = file_log.read_file_log(log_path)
-    assert [step for step, _ in records] == [1, 2, 3, 4, 5, 6]
-    by_step = dict(records)
-    assert by_step[5]["run"] == "resumed"  # the later record wins
+    assert _raw_steps(log_path) == [1, 2, 3, 4, 5, 6]
+    by_step = dict(read_file_log(log_path))
     assert by_step[4] == {"critic/score/mean": 4.0, "run": "first", "val-core/x/acc/mean@1": 0.5}
+    assert by_step[5]["run"] == by_step[6]["run"] == "resumed"
+    assert not (log_path.parent / (log_path.name + metric_history.ASIDE_SUFFIX)).exists()
 
     from gtpo.cpu.demo import file_logger_records, load_rewards
     from gtpo.viz.curves import load_metrics
 
     assert load_metrics(log_path)["critic/score/mean"] == ([1, 2, 3, 4, 5, 6], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     assert [rec["step"] for rec, _ in file_logger_records(log_path)] == [1, 2, 3, 4, 5, 6]
-    assert [data["run"] for _, data in file_logger_records(log_path)][-2:] == ["resumed", "resumed"]
     assert [s for s, _ in load_rewards(log_path, key="critic/score/mean")] == [1, 2, 3, 4, 5, 6]
 
 
-def test_kill_between_set_aside_and_reattach_keeps_the_history(log_path):
+def test_a_resumed_step_without_its_record_gets_the_validation_alone(log_path):
+    """A kill after the step-4 checkpoint and before step 4 was logged (verl saves, validates, then logs)."""
+    first = _tracking()
+    _log_steps(first, [1, 2, 3], "first")
+    first.finish()
+    resumed = _resumed(log_path, 4)
+    resumed.log(data={"val-core/x/acc/mean@1": 0.25}, step=4)
+    resumed.log(data={"val-core/x/acc/mean@1": 0.5}, step=4)  # logged twice at the resumed step: merged
+    _log_steps(resumed, [5], "resumed")
+    resumed.finish()
+    assert _raw_steps(log_path) == [1, 2, 3, 4, 5]
+    assert dict(read_file_log(log_path))[4] == {"val-core/x/acc/mean@1": 0.5}
+
+
+def test_an_older_log_with_repeated_steps_is_rewritten_one_line_per_step(log_path):
+    log_path.write_text(
+        "".join(json.dumps({"step": s, "data": {"v": s, "run": r}}) + "\n" for s, r in
+                [(1, "a"), (2, "a"), (3, "a"), (2, "b"), (3, "b"), (4, "b"), (5, "b")])
+        + '{"step": 6, "data": {"v"'  # killed in the middle of a write
+    )  # fmt: skip
+    resumed = _resumed(log_path, 4)
+    resumed.finish()
+    assert _raw_steps(log_path) == [1, 2, 3, 4]
+    assert [d["run"] for _, d in read_file_log(log_path)] == ["a", "b", "b", "b"]
+
+
+def test_kill_between_set_aside_and_attach_keeps_the_history(log_path):
     first = _tracking()
     _log_steps(first, [1, 2], "first")
     first.finish()
     with open(log_path, "ab") as f:
         f.write(b'{"step": 3, "da')  # killed in the middle of a write
-    attempt = file_log.FileLogHistory(str(log_path))
-    attempt.set_aside()
-    _tracking().finish()  # verl truncated the path, then the job was killed before reattach
-    assert log_path.read_text() == "" and (log_path.parent / (log_path.name + file_log.ASIDE_SUFFIX)).exists()
+    metric_history.MetricHistory(2, str(log_path))  # moves the log aside ...
+    _tracking().finish()  # ... verl truncates the path, then the job is killed before attach
+    aside = log_path.parent / (log_path.name + metric_history.ASIDE_SUFFIX)
+    assert log_path.read_text() == "" and aside.exists()
+    # a kill in the middle of the rewrite leaves a temporary file beside the log: ignored
+    (log_path.parent / (log_path.name + ".tmp.1")).write_text('{"step": 1, "data": {}}\n')
 
-    again = file_log.FileLogHistory(str(log_path))
-    again.set_aside()  # the aside copy is the history: kept, not replaced by the empty file
-    resumed = _tracking()
-    again.reattach(resumed)
+    resumed = _resumed(log_path, 2)  # the aside copy is the history: kept, not replaced by the empty file
     _log_steps(resumed, [3], "resumed")
     resumed.finish()
     assert _raw_steps(log_path) == [1, 2, 3]  # the partial line is gone, nothing else
-    assert not (log_path.parent / (log_path.name + file_log.ASIDE_SUFFIX)).exists()
+    assert not aside.exists()
+
+
+def test_tensorboard_after_a_resume_holds_one_value_per_step(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
+    first = _tracking(backends=["tensorboard"])
+    for step in [1, 2, 3, 4, 5]:
+        first.log(data={"critic/score/mean": float(step)}, step=step)
+    first.logger["tensorboard"].writer.flush()  # what the killed run had written
+
+    resumed = _resumed(None, 4, backends=["tensorboard"])
+    resumed.log(data={"critic/score/mean": 50.0}, step=5)
+    resumed.log(data={"critic/score/mean": 60.0}, step=6)
+    resumed.finish()
+    first.finish()
+    scalars = EventAccumulator(str(tmp_path / "tb"))
+    scalars.Reload()
+    events = scalars.Scalars("critic/score/mean")
+    assert [(e.step, e.value) for e in events] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 50.0), (6, 60.0)]
+
+
+def test_a_validation_only_run_of_an_older_checkpoint_keeps_the_whole_history(log_path, tmp_path, monkeypatch):
+    """``scripts/eval_checkpoint.sh`` (``val_only``, ``resume_path``) on the step-2 checkpoint of a run that went on."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
+    first = _tracking(backends=("file", "tensorboard"))
+    for step in [1, 2, 3, 4]:
+        first.log(data={"critic/score/mean": float(step)}, step=step)
+    first.finish()
+    config = OmegaConf.create(
+        {"logger": ["file", "tensorboard"], "project_name": "proj", "experiment_name": "exp", "val_only": True}
+    )
+    history = metric_history.MetricHistory.for_trainer(config, resumed_step=2)
+    evaluation = _tracking(backends=("file", "tensorboard"))
+    history.attach(evaluation)
+    evaluation.log(data={"val-core/x/acc/mean@32": 0.5}, step=2)
+    evaluation.finish()
+    assert _raw_steps(log_path) == [1, 2, 3, 4, 2]
+    scalars = EventAccumulator(str(tmp_path / "tb"))
+    scalars.Reload()
+    assert [e.step for e in scalars.Scalars("critic/score/mean")] == [1, 2, 3, 4]
 
 
 def test_default_path_from_verl_root(tmp_path, monkeypatch):
     monkeypatch.delenv("VERL_FILE_LOGGER_PATH", raising=False)
     monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", str(tmp_path / "root"))
     tracking = _tracking("my_project", "run_7")
-    assert file_log.file_logger_path("my_project", "run_7") == tracking.logger["file"].filepath
+    assert metric_history.file_logger_path("my_project", "run_7") == tracking.logger["file"].filepath
     tracking.finish()
     monkeypatch.delenv("VERL_FILE_LOGGER_ROOT")
     monkeypatch.chdir(tmp_path)
     tracking = _tracking("p", "e")
-    assert file_log.file_logger_path("p", "e") == str(tmp_path / "p" / "e.jsonl")
+    assert metric_history.file_logger_path("p", "e") == str(tmp_path / "p" / "e.jsonl")
     tracking.finish()
 
 
-def test_trainer_logger_hook_reattaches(log_path):
+def test_trainer_logger_hook_attaches_the_history(log_path):
     """GTPOTrainerSync's ``logger`` setter is where verl's fit() hands over its Tracking."""
     from gtpo.verl_plugin.trainer import GTPOTrainerSync
 
     first = _tracking()
-    _log_steps(first, [1, 2], "first")
+    _log_steps(first, [1, 2, 3], "first")
     first.finish()
     trainer = object.__new__(GTPOTrainerSync)
     with pytest.raises(AttributeError):
         trainer.logger  # noqa: B018 - unset before fit(), as in verl
-    trainer._file_log_history = file_log.FileLogHistory(str(log_path))
-    trainer._file_log_history.set_aside()
+    config = OmegaConf.create({"logger": ["console", "file"], "project_name": "proj", "experiment_name": "exp"})
+    trainer._metric_history = metric_history.MetricHistory.for_trainer(config, resumed_step=2)
     trainer.logger = _tracking()
-    trainer.logger.log(data={"critic/score/mean": 3.0}, step=3)
+    trainer.logger.log(data={"critic/score/mean": 3.5}, step=3)
     trainer.logger.finish()
     assert _raw_steps(log_path) == [1, 2, 3]
+    assert dict(read_file_log(log_path))[3] == {"critic/score/mean": 3.5}
 
 
 def test_strict_and_lenient_reading(tmp_path):
     p = tmp_path / "m.jsonl"
     p.write_text('{"step": 1, "data": {"a": 1}}\n{"step": "x"}\n{"step": 2, "data": {"a": 2}}\n')
     with pytest.raises(ValueError, match=r"m.jsonl:2: step='x' is not an integer"):
-        file_log.read_file_log(p)
-    assert file_log.read_file_log(p, strict=False) == [(1, {"a": 1}), (2, {"a": 2})]
+        read_file_log(p)
+    assert read_file_log(p, strict=False) == [(1, {"a": 1}), (2, {"a": 2})]
     with pytest.raises(ValueError, match="not found"):
-        file_log.read_file_log(tmp_path / "missing.jsonl")
+        read_file_log(tmp_path / "missing.jsonl")
 
 
 # ------------------------------------------------------------------------------------------- checkpoint state

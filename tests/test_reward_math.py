@@ -333,6 +333,88 @@ def test_lenient_is_bounded_and_never_raises():
         assert compute_score("m", bad, "5", extraction="lenient", timeout_s=3)["grade_status"] in GRADE_STATUSES
 
 
+# ------------------------------------------------------------------- lenient grading is never worse than strict
+
+# The answer in every style a response writes it (``<v>`` is the number as the gold writes it, ``<t>`` with
+# thousands separators), and every place a response puts it (``<a>``).
+ANSWER_STYLES = (
+    "<v>", "<v>\\%", "<v>%", "<v> \\%", "<v>^\\circ", "<v>^{\\circ}", "<v>\\text{ cm}", "<v> \\text{ cm}^2",
+    "\\text{<v>}", "\\textbf{<v>}", "\\$<v>", "\\$ <v>", "\\$<v>.", "<v>\\text{ dollars}", "<v>\\,\\mathrm{m}",
+    "<t>", "\\$<t>", "<t>\\%",
+)  # fmt: skip
+ANSWER_PLACES = (
+    "\\boxed{<a>}", "$\\boxed{<a>}$", "The rate is $\\boxed{<a>}$.", "So the answer is \\boxed{<a>}.",
+    "\\fbox{<a>}", "Answer: <a>", "**Answer:** <a>", "Answer: $<a>$", "Answer: \\boxed{<a>}",
+    "We get $x = 3$.\nAnswer: <a>", "First \\boxed{7}, then \\boxed{<a>}",
+)  # fmt: skip
+# (the number as a response writes it, with separators, and the golds it is equal to)
+NUMBERS = (
+    ("50", "50", ("50", "50\\%")),
+    ("1000", "1,000", ("1000", "1,000")),
+    ("12345678", "12{,}345{,}678", ("12345678",)),
+    ("5.50", "5.50", ("5.50", "5.5", "\\$5.50")),
+    ("\\frac{1}{2}", "\\frac{1}{2}", ("\\frac{1}{2}", "0.5")),
+    ("-3", "-3", ("-3",)),
+    ("90", "90", ("90", "90^\\circ")),
+)
+
+
+def _styled_cases():
+    """``(response, gold, equal)`` for every number, style, place and gold, each once."""
+    return list(dict.fromkeys(_styled_products()))
+
+
+def _styled_products():
+    for v, t, golds in NUMBERS:
+        wrong = "51" if v == "50" else "11"  # never 7: a place shows an earlier \\boxed{7}, which lenient reads too
+        for style in ANSWER_STYLES:
+            answer = style.replace("<v>", v).replace("<t>", t)
+            for place in ANSWER_PLACES:
+                response = place.replace("<a>", answer)
+                for gold in golds:
+                    yield response, gold, True
+                yield response, wrong, False
+
+
+def test_lenient_is_never_worse_than_strict_over_constructed_styles():
+    cases = _styled_cases()
+    responses, golds = [c[0] for c in cases], [c[1] for c in cases]
+    strict = compute_scores_batch(None, responses, golds, num_workers=2, extraction="strict", timeout_s=6)
+    lenient = compute_scores_batch(None, responses, golds, num_workers=2, extraction="lenient", timeout_s=6)
+    worse = [(r, g, s, le) for (r, g, _), s, le in zip(cases, strict, lenient, strict=True) if s["acc"] > le["acc"]]
+    assert worse == [], f"{len(worse)} responses strict grades right and lenient wrong, e.g. {worse[:3]}"
+    right = [(r, g) for (r, g, eq), s in zip(cases, strict, strict=True) if eq and s["acc"]]
+    assert len(right) > len(cases) // 2, "the styles must be ones strict grades (else the property says little)"
+    false_accepts = [(r, g) for (r, g, eq), le in zip(cases, lenient, strict=True) if not eq and le["acc"]]
+    assert false_accepts == [], false_accepts[:5]
+
+
+@pytest.mark.parametrize(
+    "response,gold",
+    [
+        (r"The rate is $\boxed{50\%}$.", "50"),  # math-verify alone: '50\%' parses to no number
+        (r"\boxed{50\%}", r"50\%"),
+        (r"\boxed{\frac{1}{2}\%}", r"\frac{1}{2}"),  # math-verify alone reads it as 1/200
+        ("Answer: \\$50", "50"),  # matches none of math-verify's answer patterns
+    ],
+)
+def test_lenient_grades_right_what_strict_grades_right(response, gold):
+    strict = compute_score("math", response, gold, extraction="strict", timeout_s=6)
+    lenient = compute_score("math", response, gold, extraction="lenient", timeout_s=6)
+    assert strict["acc"] is True, strict
+    assert (lenient["acc"], lenient["grade_status"], lenient["pred"]) == (True, "ok", strict["pred"])
+
+
+def test_math500_reference_solutions_are_correct_in_both_modes(shared_data):
+    rows = [json.loads(line) for line in (shared_data / "math500.jsonl").read_text().splitlines() if line.strip()]
+    assert len(rows) == 500
+    solutions, golds = [r["solution"] for r in rows], [r["answer"] for r in rows]
+    for mode in ("strict", "lenient"):
+        out = compute_scores_batch(None, solutions, golds, num_workers=2, extraction=mode, timeout_s=10)
+        wrong = [(rows[i]["id"], o) for i, o in enumerate(out) if not o["acc"]]
+        assert wrong == [], (mode, len(wrong), wrong[:3])
+
+
 # ---------------------------------------------------------------------------------------- memory ceiling
 
 # A 130,000-term sum: the worker's resident memory climbs past 250 MB while it is parsed (measured: lenient

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from gtpo.verl_plugin.file_log import read_file_log
+from gtpo.metric_log import read_file_log
 
 ENTROPY_KEY = "actor/entropy"
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gtpo.cpu.demo_trainer import REPO_ROOT
-from gtpo.verl_plugin.file_log import read_file_log
+from gtpo.metric_log import read_file_log
 
 REWARD_KEY = "critic/score/mean"
 
@@ -33,8 +33,8 @@ def load_rewards(metrics_path: str | os.PathLike, key: str = REWARD_KEY) -> list
 
 
 def file_logger_records(path: Path) -> Iterator[tuple[dict, object]]:
-    """``(record, data)`` per step of verl's file-logger JSONL (``file_log.read_file_log``: a resumed run's repeated
-    step counts once, the later record wins); a line still being written is skipped."""
+    """``(record, data)`` per step of verl's file-logger JSONL (``gtpo.metric_log.read_file_log``: a step logged twice
+    counts once, the later record wins); a line still being written is skipped."""
     for step, data in read_file_log(path, strict=False):
         yield {"step": step, "data": data}, data
 

@@ -179,8 +179,9 @@ def evaluate(
 ) -> dict[str, dict]:
     """Per data source: metrics of ``summarize_groups`` plus ``grade_status`` counts (when regraded).
 
-    ``extraction``: the reward's answer extraction when regrading (``gtpo.reward.math``): ``lenient``
-    (math-verify's own order, the evaluation default) or ``strict`` (the training reward's boxed / Answer-line).
+    ``extraction``: the reward's answer extraction when regrading (``gtpo.reward.math``): ``lenient`` (the
+    evaluation default: the strict answer, then math-verify's own order) or ``strict`` (the training reward's boxed /
+    Answer line).
     """
     from gtpo.reward.extract import normalize_for_vote
 
@@ -316,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         "--extraction",
         default="lenient",
         choices=["lenient", "strict"],
-        help="answer extraction when regrading: lenient (math-verify's order) or strict (the training reward's)",
+        help="answer extraction when regrading: lenient (strict's answer, then math-verify's order) or strict",
     )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)

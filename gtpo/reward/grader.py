@@ -4,10 +4,11 @@
 wrapped in ``\\boxed{...}`` and parsed with ``LatexExtractionConfig`` (parsing a raw gold fails for ~20% of
 MATH-500 answers), then compared with ``math_verify.verify(gold, pred)`` (gold first: not symmetric).
 
-``grade_response`` (lenient extraction): the whole response goes through math-verify's own default extraction,
-``parse(response, [LatexExtractionConfig(), ExprExtractionConfig()])``: ``\\boxed`` first (several boxes become
-one set, so ``\\boxed{2}`` and ``\\boxed{3}`` match the gold ``2, 3``), then "final answer is" / "answer:" lines,
-then the last LaTeX or plain expression of the text. The gold is parsed as in ``grade_pair``.
+``grade_response`` (lenient extraction, once the strict answer is not graded correct): the whole response goes
+through math-verify's own default extraction, ``parse(response, [LatexExtractionConfig(), ExprExtractionConfig()])``:
+``\\boxed`` first (several boxes become one set, so ``\\boxed{2}`` and ``\\boxed{3}`` match the gold ``2, 3``),
+then "final answer is" / "answer:" lines, then the last LaTeX or plain expression of the text. The gold is parsed
+as in ``grade_pair``.
 
 math-verify bounds its own work with ``signal.alarm`` (integer seconds), which only works on the main thread of a
 process and only fires between Python bytecodes. Both functions are therefore meant to run on the main thread of

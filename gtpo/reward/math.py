@@ -24,11 +24,15 @@ Extraction (``extraction=...``):
 
 * ``"strict"`` (default, for training: format discipline, DAPO's convention): only the last ``\\boxed{}`` or the
   last DAPO ``Answer:`` line counts (``gtpo.reward.extract``); a response without either is ``no_answer``.
-* ``"lenient"`` (for evaluation; ``python -m gtpo.eval`` uses it by default): math-verify's own default extraction
-  on the whole response (``gtpo.reward.grader.grade_response``): ``\\boxed`` first, with every box considered
-  (``\\boxed{2}`` and ``\\boxed{3}`` form the set that matches the gold ``2, 3``), then "final answer is ..." /
-  "answer: ..." lines, then the last LaTeX or plain expression. ``pred`` is the matched text. Same time limits,
-  same pool, same memory ceiling, same never-raises guarantee.
+* ``"lenient"`` (for evaluation; ``python -m gtpo.eval`` uses it by default): the strict answer first, and when it
+  is not graded correct, math-verify's own default extraction on the whole response
+  (``gtpo.reward.grader.grade_response``): ``\\boxed`` first, with every box considered (``\\boxed{2}`` and
+  ``\\boxed{3}`` form the set that matches the gold ``2, 3``), then "final answer is ..." / "answer: ..." lines,
+  then the last LaTeX or plain expression. So lenient never scores wrong what strict scores right: math-verify's
+  extraction alone does on some of strict's answers (``\\boxed{50\\%}`` parses to no number there, while strict
+  strips the percent sign; ``Answer: \\$50`` matches none of its patterns). ``pred`` is the strict answer when that
+  decided, else math-verify's matched text. Same pool, same memory ceiling, same never-raises guarantee; a lenient
+  call makes at most two worker calls (the strict answer, then the response), each bounded by ``timeout_s``.
 
 Options (kwargs, i.e. ``reward_kwargs``; ``score_mode`` may also come per row from ``extra_info["score_mode"]``):
 ``score_mode`` ("pm1" | "binary"), ``extraction`` ("strict" | "lenient"), ``timeout_s`` (float seconds per call),
@@ -190,17 +194,20 @@ def _grade_any(grade_fn, golds: list[str], text: str, lenient: bool = False) -> 
 
 
 def _score_one(solution_str: Any, ground_truth: Any, scores, extraction: str, grade_answer, grade_response) -> dict:
-    """One result dict; ``grade_answer(gold, pred)`` / ``grade_response(gold, response)`` grade a pair."""
-    if extraction == "lenient":
-        text, status, golds = _prepare_lenient(solution_str, ground_truth)
-        if status != "ok":
-            return _result(False, None, status, scores)
-        acc, status, pred = _grade_any(grade_response, golds, text, lenient=True)
-        return _result(acc, pred, status, scores)
+    """One result dict; ``grade_answer(gold, pred)`` / ``grade_response(gold, response)`` grade a pair.
+
+    Lenient grading starts with the strict verdict, so it is never worse than strict on any response.
+    """
     pred, status, golds = _prepare(solution_str, ground_truth)
+    acc = False
+    if status == "ok":
+        acc, status = _grade_any(grade_answer, golds, pred)
+    if extraction == "strict" or acc:
+        return _result(acc, pred, status, scores)
+    text, status, golds = _prepare_lenient(solution_str, ground_truth)
     if status != "ok":
-        return _result(False, pred, status, scores)
-    acc, status = _grade_any(grade_answer, golds, pred)
+        return _result(False, None, status, scores)
+    acc, status, pred = _grade_any(grade_response, golds, text, lenient=True)
     return _result(acc, pred, status, scores)
 
 

@@ -10,8 +10,13 @@ file per checkpoint, ``global_step_<N>/gtpo_state.json``, for the state its esti
 
 Nothing else persists across steps: DAPO's generation-round counter (``dynamic_sampling.BoundedDapoReplayBuffer``)
 is reset at every ``sample()`` call, the forking-token parameters are read from the config, and the reward cache
-holds pure results. The file is written before verl writes the tracker, so a checkpoint the tracker names always
-has it; it is written to a temporary name and renamed, so it is never half-written.
+holds pure results.
+
+The file is the last one a save writes: :class:`StateAfterSave` writes it from verl's checkpoint callback, which
+``_save_checkpoint`` calls once the actor, the critic, ``data.pt`` (and ``transfer_queue/``) are written and the
+tracker updated; the trainer removes a stale copy before each save starts. Its presence therefore marks a complete
+checkpoint (``gtpo.verl_plugin.checkpoints``). It is written to a temporary name and renamed, so it is never
+half-written.
 """
 
 from __future__ import annotations
@@ -23,7 +28,15 @@ from typing import Any
 
 from gtpo.verl_plugin import trajectory
 
-__all__ = ["STATE_FILE", "collect_state", "restore_state", "save_state"]
+__all__ = [
+    "STATE_FILE",
+    "StateAfterSave",
+    "collect_state",
+    "discard_state",
+    "read_state",
+    "restore_state",
+    "save_state",
+]
 
 STATE_FILE = "gtpo_state.json"
 _FORMAT = 1
@@ -50,6 +63,55 @@ def save_state(folder: str, global_steps: int) -> str:
     return path
 
 
+def discard_state(folder: str) -> None:
+    """Remove ``<folder>/gtpo_state.json`` (a save is about to rewrite the folder: a copy left from an earlier,
+    abandoned attempt at this step must not mark the half-written folder complete)."""
+    try:
+        os.remove(os.path.join(folder, STATE_FILE))
+    except FileNotFoundError:
+        pass
+
+
+def read_state(folder: str) -> dict[str, Any] | str:
+    """The saved state of ``folder``, or why there is none usable (a string naming the file)."""
+    path = os.path.join(folder, STATE_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            payload = json.load(f)
+    except FileNotFoundError:
+        return f"no {STATE_FILE}"
+    except (OSError, ValueError) as e:
+        return f"{STATE_FILE} unreadable ({type(e).__name__})"
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
+        got = payload.get("format") if isinstance(payload, dict) else payload
+        return f"{STATE_FILE} has format={got!r}, this recipe reads format {_FORMAT}"
+    return payload
+
+
+class StateAfterSave:
+    """verl's checkpoint callback (``trainer.checkpoint_callback_class``, a no-op by default) with the recipe's
+    state written first: ``on_save`` runs after verl has written the checkpoint and its tracker.
+
+    An asynchronous save (``async_save=True``, Megatron only in verl 0.9.1) may still be writing when the hook
+    fires, so it gets no state file: such a checkpoint is never taken for complete.
+    """
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def on_save(self, trainer, global_step: int, checkpoint_dir: str, async_save: bool = False, **kwargs) -> None:
+        if not async_save:
+            save_state(checkpoint_dir, global_step)
+        self.inner.on_save(
+            trainer=trainer, global_step=global_step, checkpoint_dir=checkpoint_dir, async_save=async_save, **kwargs
+        )
+
+    def __getattr__(self, name):
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
 def restore_state(folder: str, algorithm_config: Any) -> dict[str, Any]:
     """Restore the state saved in ``folder`` into this process; returns what was restored.
 
@@ -61,10 +123,9 @@ def restore_state(folder: str, algorithm_config: Any) -> dict[str, Any]:
     if not os.path.exists(path):
         logger.warning("no %s in %s: the recipe's state starts empty", STATE_FILE, folder)
         return {}
-    with open(path, encoding="utf-8") as f:
-        payload = json.load(f)
-    if payload.get("format") != _FORMAT:
-        raise ValueError(f"{path}: format={payload.get('format')!r}, this recipe reads format {_FORMAT}")
+    payload = read_state(folder)
+    if isinstance(payload, str):
+        raise ValueError(f"{path}: {payload}")
     restored: dict[str, Any] = {}
     h_ini = (payload.get("gtpo_traj") or {}).get("h_ini")
     traj_node = algorithm_config.get("gtpo_traj", None) if algorithm_config is not None else None

@@ -17,8 +17,10 @@ Every other estimator (``grpo``, ``gae``, ...) goes through the base method unch
 exact verl code path. Also here: DAPO's ``max_num_gen_batches`` round limit (sync only: verl 0.9.1 ignores it),
 the forking-token loss in the actor workers (``algorithm.forking.enable``), per-token dumps and tracker heatmaps
 (``_log_rollout_data``), paper A's Table 1 columns in validation (``_val_metrics_update``), and resume: each
-checkpoint also gets the recipe's state (``checkpoint_state``: ``gtpo_traj``'s measured ``<H>_ini``), restored on
-resume; a resumed run appends to verl's ``file`` logger instead of truncating it (``file_log``).
+checkpoint also gets the recipe's state (``checkpoint_state``: ``gtpo_traj``'s measured ``<H>_ini``), written last,
+so it marks the checkpoint complete, and restored on resume; ``resume_mode=auto`` starts from the newest complete
+checkpoint whatever state a kill during a save left the tracker in (``checkpoints``); after a resume at step N the
+trackers hold each step once (``metric_history``: the file log rewritten to steps <= N, TensorBoard's purge_step).
 
 Entropy under asynchrony (``colocate_async``, ``separate_async``): a response may be generated across several
 policy versions (partial rollout: aborted at a weight sync, resumed with the new weights), and the rollout engine
@@ -46,11 +48,10 @@ from verl.protocol import DataProto
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 from verl.trainer.ppo.ray_trainer import apply_kl_penalty
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
-from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.debug import marked_timer
 from verl.workers.utils.padding import response_to_nested
 
-from gtpo.verl_plugin import checkpoint_state, file_log, forking, startup_checks, watchdog
+from gtpo.verl_plugin import checkpoint_state, checkpoints, forking, metric_history, startup_checks, watchdog
 from gtpo.verl_plugin.dynamic_sampling import bound_generation_rounds
 
 # Estimators registered by this recipe that take the extra keyword arguments.
@@ -72,6 +73,11 @@ class GTPOTrainerMixin:
     # The mode verl's base class branches on (replay buffer class, dataloader refill, checkpoint load/save, the
     # trainer.v1.<mode> config block): "sync", "colocate_async" or "separate_async".
     VERL_MODE: str = ""
+
+    def __init__(self, config):
+        super().__init__(config)
+        # The recipe's state goes into each checkpoint last, from the callback verl calls after the tracker write.
+        self.checkpoint_callback = checkpoint_state.StateAfterSave(self.checkpoint_callback)
 
     @property
     def trainer_mode(self) -> str:
@@ -105,16 +111,13 @@ class GTPOTrainerMixin:
         self._forking = forking.install(self)
 
     def fit(self, agent_loop_manager):
-        # A resumed run keeps the file logger's earlier records (verl opens the file with "wb").
-        self._file_log_history = None
-        if self.global_steps > 0 and file_log.uses_file_logger(self.config.trainer.get("logger", None)):
-            path = file_log.file_logger_path(self.config.trainer.project_name, self.config.trainer.experiment_name)
-            self._file_log_history = file_log.FileLogHistory(path)
-            self._file_log_history.set_aside()
+        # After a resume the trackers keep the steps up to the checkpoint's, once each (verl's file logger would
+        # truncate its log; TensorBoard would show the killed run's later steps beside the resumed ones).
+        self._metric_history = metric_history.MetricHistory.for_trainer(self.config.trainer, self.global_steps)
         return super().fit(agent_loop_manager)
 
-    # verl's fit() builds its Tracking and assigns it to self.logger: the hook where the kept history is put back
-    # under the freshly opened file logger, before anything is logged.
+    # verl's fit() builds its Tracking and assigns it to self.logger: the hook where the history is applied, before
+    # anything is logged.
     @property
     def logger(self):
         try:
@@ -124,32 +127,44 @@ class GTPOTrainerMixin:
 
     @logger.setter
     def logger(self, tracking) -> None:
-        history = self.__dict__.pop("_file_log_history", None)
+        history = self.__dict__.pop("_metric_history", None)
         if history is not None:
-            history.reattach(tracking)
+            history.attach(tracking)
         self.__dict__["_tracking"] = tracking
 
     def _save_checkpoint(self):
-        # The recipe's state first: verl writes latest_checkpointed_iteration.txt last, so a tracked checkpoint
-        # always holds it.
+        # A state file left in this folder by an abandoned attempt at this step would mark a half-written save
+        # complete; the callback writes the new one once verl is done.
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
-        checkpoint_state.save_state(folder, self.global_steps)
+        checkpoint_state.discard_state(folder)
         super()._save_checkpoint()
 
+    def _checkpoint_layout(self) -> checkpoints.CheckpointLayout:
+        return checkpoints.CheckpointLayout(use_critic=bool(self.use_critic), async_mode=self.trainer_mode != "sync")
+
     def _load_checkpoint(self):
+        trainer_cfg = self.config.trainer
+        resolved = None
+        if trainer_cfg.resume_mode == "auto":
+            # Before verl's own lookup, which fails on an empty tracker and trusts a half-written folder.
+            resolved = checkpoints.resolve_auto_resume(trainer_cfg.default_local_dir, self._checkpoint_layout())
         super()._load_checkpoint()
         if self.global_steps > 0:
-            folder = self._resumed_checkpoint_folder()
+            folder = self._resumed_checkpoint_folder(resolved)
             restored = checkpoint_state.restore_state(folder, self.config.algorithm)
             print(f"gtpo: resumed from {folder} at step {self.global_steps}; recipe state restored: {restored}")
 
-    def _resumed_checkpoint_folder(self) -> str:
-        """The ``global_step_<N>`` folder verl's ``_load_checkpoint`` resumed from (same resolution rules)."""
+    def _resumed_checkpoint_folder(self, resolved: str | None) -> str:
+        """The ``global_step_<N>`` folder verl's ``_load_checkpoint`` resumed from."""
         trainer_cfg = self.config.trainer
         if trainer_cfg.resume_mode == "resume_path":
             folder = os.path.abspath(trainer_cfg.resume_from_path)
+            reasons = checkpoints.incomplete_reasons(folder, self.global_steps, self._checkpoint_layout())
+            if reasons:
+                # the user named this folder: loaded as asked, but said
+                print(f"gtpo: warning: trainer.resume_from_path={folder} is incomplete: {', '.join(reasons)}")
         else:
-            folder = find_latest_ckpt_path(os.path.abspath(trainer_cfg.default_local_dir))
+            folder = resolved
         if folder is None or os.path.basename(os.path.normpath(folder)) != f"global_step_{self.global_steps}":
             raise RuntimeError(f"resumed at step {self.global_steps} but the checkpoint folder resolves to {folder}")
         return folder

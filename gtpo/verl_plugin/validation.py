@@ -76,6 +76,25 @@ def check_overlong_shaping(config: DictConfig) -> None:
         )
 
 
+def check_checkpoint_saves(config: DictConfig) -> None:
+    """Every saved checkpoint can be resumed from: no asynchronous save on an FSDP actor.
+
+    With ``actor_rollout_ref.actor.checkpoint.async_save=true`` verl 0.9.1's v1 ``_save_checkpoint`` skips the tracker
+    ``latest_checkpointed_iteration.txt`` and leaves it to the asynchronous writer, which only Megatron's checkpoint
+    manager has; on FSDP no checkpoint would ever be tracked, and each restart would begin from scratch.
+    """
+    if not (OmegaConf.select(config, "trainer.save_freq", default=-1) or -1) > 0:
+        return
+    actor = config.actor_rollout_ref.actor
+    strategy = str(actor.get("strategy", "fsdp"))
+    if (actor.get("checkpoint", None) or {}).get("async_save", False) and strategy != "megatron":
+        raise ValueError(
+            f"actor_rollout_ref.actor.checkpoint.async_save=true with actor.strategy={strategy}: verl then writes no "
+            "latest_checkpointed_iteration.txt (only Megatron saves asynchronously), so no checkpoint could be "
+            "resumed; set it to false"
+        )
+
+
 def validate_recipe_config(config: DictConfig) -> None:
     """Validate the recipe-specific parts of a composed trainer config."""
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
@@ -96,6 +115,7 @@ def validate_recipe_config(config: DictConfig) -> None:
 
     knobs = load_all_knobs(algorithm)
     check_overlong_shaping(config)
+    check_checkpoint_saves(config)
     grop_on = bool(knobs["grop"].enable)
     if not config.trainer.get("use_v1", True):
         raise ValueError("trainer.use_v1=False: the gtpo recipe runs on verl's v1 trainer only")

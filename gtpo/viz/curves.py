@@ -37,7 +37,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from gtpo.verl_plugin.file_log import read_file_log
+from gtpo.metric_log import read_file_log
 
 __all__ = ["DEFAULT_PANELS", "METRIC_TITLES", "load_metrics", "metric_title", "parse_run_spec", "plot_curves"]
 

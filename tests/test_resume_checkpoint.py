@@ -1,0 +1,237 @@
+"""Which checkpoint ``resume_mode=auto`` starts from after a kill at any instant of a save (``checkpoints``).
+
+    PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/test_resume_checkpoint.py
+
+Folders are laid out as verl 0.9.1's ``_save_checkpoint`` writes them, in its order: ``actor/``, ``data.pt``, the
+tracker, then the recipe's ``gtpo_state.json``. Each test stops that sequence where a kill would. The same states
+through the real trainer: tests/test_e2e_resume.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+
+from gtpo.verl_plugin import checkpoint_state, checkpoints
+from gtpo.verl_plugin.checkpoints import TRACKER_FILE, CheckpointLayout, resolve_auto_resume
+
+SYNC = CheckpointLayout()
+
+# verl's save, step by step; a kill after step i leaves SAVE_STEPS[:i] done.
+SAVE_STEPS = ("actor", "data", "tracker", "state")
+
+
+def save(root, step, upto=None, tracker_text=None):
+    """Run verl's save sequence for ``step`` as far as ``upto`` steps; ``tracker_text`` replaces what verl writes."""
+    folder = root / f"global_step_{step}"
+    done = SAVE_STEPS[: len(SAVE_STEPS) if upto is None else upto]
+    if "actor" in done:
+        (folder / "actor" / "huggingface").mkdir(parents=True, exist_ok=True)
+        (folder / "actor" / "model_world_size_1_rank_0.pt").write_bytes(b"weights")
+    if "data" in done:
+        (folder / "data.pt").write_bytes(b"dataloader")
+    if "tracker" in done:
+        (root / TRACKER_FILE).write_text(str(step) if tracker_text is None else tracker_text)
+    if "state" in done:
+        checkpoint_state.save_state(str(folder), step)
+    return folder
+
+
+@pytest.fixture
+def root(tmp_path):
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    return path
+
+
+def test_a_finished_save_resumes_where_the_tracker_points(root, caplog):
+    save(root, 2)
+    save(root, 4)
+    with caplog.at_level(logging.WARNING):
+        assert resolve_auto_resume(str(root), SYNC) == str(root / "global_step_4")
+    assert caplog.records == []
+    assert (root / TRACKER_FILE).read_text() == "4"
+
+
+@pytest.mark.parametrize(
+    "upto,tracker_text,expected_step",
+    [
+        (1, None, 4),  # killed while the actor was written: the tracker still names 4
+        (2, None, 4),  # killed after data.pt, before the tracker
+        (3, "", 4),  # killed between verl's open("w") and write: an empty tracker
+        (3, None, 4),  # killed after the tracker, before the recipe's state file: 6 is not complete
+        (4, None, 6),  # the whole save
+    ],
+    ids=["in-actor", "before-tracker", "empty-tracker", "before-state", "done"],
+)
+def test_a_kill_at_each_instant_of_a_save(root, caplog, upto, tracker_text, expected_step):
+    save(root, 2)
+    save(root, 4)
+    save(root, 6, upto=upto, tracker_text=tracker_text)
+    with caplog.at_level(logging.WARNING, logger="gtpo.verl_plugin.checkpoints"):
+        folder = resolve_auto_resume(str(root), SYNC)
+    assert folder == str(root / f"global_step_{expected_step}")
+    assert (root / TRACKER_FILE).read_text() == str(expected_step)
+    warned = [r.getMessage() for r in caplog.records]
+    if upto in (1, 2, 4):
+        assert warned == []
+    else:
+        (message,) = warned
+        assert str(root / TRACKER_FILE) in message and "global_step_4" in message
+
+
+def test_verl_alone_fails_on_the_empty_tracker_every_time(root):
+    """The failure the resolution prevents: verl 0.9.1's own lookup on the state an empty-tracker kill leaves."""
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+    save(root, 4)
+    save(root, 6, upto=3, tracker_text="")
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        find_latest_ckpt_path(str(root))
+    resolve_auto_resume(str(root), SYNC)
+    assert find_latest_ckpt_path(str(root)) == str(root / "global_step_4")  # the rewritten tracker reads
+
+
+@pytest.mark.parametrize(
+    "tracker_text,why",
+    [
+        ("\x00\x00", "is unreadable"),
+        ("six", "is unreadable: 'six' is not a step number"),
+        ("8", "names global_step_8, which is incomplete (no such folder)"),
+    ],
+)
+def test_an_unreadable_tracker_or_one_naming_a_missing_folder(root, caplog, tracker_text, why):
+    save(root, 4)
+    (root / TRACKER_FILE).write_text(tracker_text)
+    with caplog.at_level(logging.WARNING, logger="gtpo.verl_plugin.checkpoints"):
+        assert resolve_auto_resume(str(root), SYNC) == str(root / "global_step_4")
+    assert why in caplog.records[0].getMessage()
+
+
+def test_incomplete_folders_are_skipped_for_the_newest_complete_one(root):
+    save(root, 2)
+    old = save(root, 4)
+    shutil.rmtree(old / "actor")  # verl's max_actor_ckpt_to_keep removed step 4's actor/
+    stale = save(root, 6, upto=2)
+    checkpoint_state.save_state(str(stale), 5)  # a state file of another step
+    save(root, 8, upto=3)
+    assert resolve_auto_resume(str(root), SYNC) == str(root / "global_step_2")
+    assert checkpoints.incomplete_reasons(str(old), 4, SYNC) == ["no actor/"]
+    assert checkpoints.incomplete_reasons(str(stale), 6, SYNC) == ["gtpo_state.json is of step 5"]
+
+
+def test_critic_and_transfer_queue_are_required_where_verl_writes_them(root):
+    folder = save(root, 4)
+    assert checkpoints.incomplete_reasons(str(folder), 4, CheckpointLayout(use_critic=True, async_mode=True)) == [
+        "no critic/",
+        "no transfer_queue/",
+    ]
+    (folder / "critic").mkdir()
+    (folder / "critic" / "model.pt").write_bytes(b"w")
+    (folder / "transfer_queue").mkdir()
+    assert checkpoints.incomplete_reasons(str(folder), 4, CheckpointLayout(use_critic=True, async_mode=True)) == []
+
+
+def test_no_complete_checkpoint_behind_a_tracker_is_refused_naming_the_folder(root):
+    save(root, 2, upto=3)  # the first save, killed before the state file
+    with pytest.raises(RuntimeError) as err:
+        resolve_auto_resume(str(root), SYNC)
+    message = str(err.value)
+    assert str(root) in message and "global_step_2: no gtpo_state.json" in message
+    assert "trainer.resume_mode=disable" in message
+    (root / TRACKER_FILE).write_text("")
+    with pytest.raises(RuntimeError, match="is empty"):
+        resolve_auto_resume(str(root), SYNC)
+
+
+def test_without_a_tracker(root, caplog, tmp_path):
+    assert resolve_auto_resume(str(tmp_path / "never_created"), SYNC) is None  # a first run
+    save(root, 2, upto=2)  # the first save, killed before the tracker: nothing was ever recorded
+    with caplog.at_level(logging.WARNING, logger="gtpo.verl_plugin.checkpoints"):
+        assert resolve_auto_resume(str(root), SYNC) is None
+    assert "training from scratch" in caplog.records[0].getMessage()
+    checkpoint_state.save_state(str(root / "global_step_2"), 2)  # complete, but the tracker was deleted
+    assert resolve_auto_resume(str(root), SYNC) == str(root / "global_step_2")
+    assert (root / TRACKER_FILE).read_text() == "2"
+
+
+def test_tracker_write_is_atomic(root, monkeypatch):
+    (root / TRACKER_FILE).write_text("4")
+
+    def killed(*args):
+        raise KeyboardInterrupt  # a kill between the temporary file and the rename
+
+    monkeypatch.setattr(checkpoints.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoints.write_tracker(str(root), 6)
+    assert (root / TRACKER_FILE).read_text() == "4"  # the old tracker is whole
+    monkeypatch.undo()
+    checkpoints.write_tracker(str(root), 6)
+    assert (root / TRACKER_FILE).read_text() == "6"
+
+
+def test_the_state_file_comes_after_verls_save_and_a_stale_one_goes_first(root, monkeypatch):
+    """The trainer's ``_save_checkpoint`` discards a state file left at this step, and the callback verl calls after
+    its tracker write (``StateAfterSave``) writes the new one before the user's callback runs."""
+    from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from gtpo.verl_plugin.trainer import GTPOTrainerSync
+
+    seen = {}
+
+    class UserCallback(CheckpointCallback):
+        def on_save(self, trainer, global_step, checkpoint_dir, async_save=False, **kwargs):
+            seen["user"] = checkpoint_state.read_state(checkpoint_dir)
+
+    stale = save(root, 6, upto=2)
+    checkpoint_state.save_state(str(stale), 6)  # left by an attempt whose later save was abandoned
+
+    def verl_save(trainer):  # what verl's _save_checkpoint does around its callback
+        seen["during"] = checkpoint_state.read_state(str(stale))
+        (root / TRACKER_FILE).write_text("6")
+        trainer.checkpoint_callback.on_save(trainer=trainer, global_step=6, checkpoint_dir=str(stale))
+
+    monkeypatch.setattr(PPOTrainerSync, "_save_checkpoint", verl_save)
+    trainer = object.__new__(GTPOTrainerSync)
+    trainer.config = _config(root)
+    trainer.global_steps = 6
+    trainer.checkpoint_callback = checkpoint_state.StateAfterSave(UserCallback())
+    trainer._save_checkpoint()
+    assert seen["during"] == "no gtpo_state.json"
+    assert seen["user"]["global_steps"] == 6
+    async_callback = checkpoint_state.StateAfterSave(UserCallback())
+    checkpoint_state.discard_state(str(stale))
+    async_callback.on_save(trainer=trainer, global_step=6, checkpoint_dir=str(stale), async_save=True)
+    assert seen["user"] == "no gtpo_state.json"  # an asynchronous save may still be writing: never complete
+
+
+def _config(root):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"trainer": {"default_local_dir": str(root)}})
+
+
+@pytest.mark.parametrize(
+    "save_freq,strategy,async_save,refused",
+    [(10, "fsdp2", True, True), (10, "fsdp2", False, False), (-1, "fsdp2", True, False), (10, "megatron", True, False)],
+)
+def test_an_asynchronous_fsdp_save_is_refused_at_startup(save_freq, strategy, async_save, refused):
+    """verl's v1 trainer writes no tracker for an asynchronous save: on FSDP nothing saved could be resumed."""
+    from omegaconf import OmegaConf
+
+    from gtpo.verl_plugin.validation import check_checkpoint_saves
+
+    config = OmegaConf.create(
+        {
+            "trainer": {"save_freq": save_freq},
+            "actor_rollout_ref": {"actor": {"strategy": strategy, "checkpoint": {"async_save": async_save}}},
+        }
+    )
+    if refused:
+        with pytest.raises(ValueError, match="async_save=true with actor.strategy=fsdp2"):
+            check_checkpoint_saves(config)
+    else:
+        check_checkpoint_saves(config)
