@@ -1,6 +1,9 @@
 """Shared pytest fixtures.
 
-Markers: ``e2e`` (starts Ray and verl's real trainer on CPU; slow) — skip them locally with ``-m "not e2e"``.
+Markers: ``e2e`` (starts Ray and verl's real trainer on CPU) — skip them locally with ``-m "not e2e"``; ``slow``
+(the long tier of trainer runs: the demo's 50 steps, each preset, the async resume, the evaluation script) — skipped
+unless ``GTPO_SLOW_TESTS=1``. The default tier runs six trainer launches, so the whole suite stays within 25 minutes
+on 2 cores; every method and trainer mode still runs through verl there (see README, "Tests").
 """
 
 from __future__ import annotations
@@ -11,7 +14,17 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+SLOW_TESTS = os.environ.get("GTPO_SLOW_TESTS", "0") == "1"
 SHARED_DATA = Path(os.environ.get("GTPO_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if SLOW_TESTS:
+        return
+    skip = pytest.mark.skip(reason="slow tier: set GTPO_SLOW_TESTS=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

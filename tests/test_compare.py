@@ -1,5 +1,5 @@
 """The comparison harness (python -m gtpo.cpu.compare): its configurations, its aggregation over seeds by hand, and
-a tiny sweep (dapo and gtpo_traj, one seed, two steps) through verl's real trainer writing the table and figure."""
+a tiny sweep (grpo_s and dapo_forking, one seed, two steps) through verl's real trainer writing the table and figure."""
 
 from __future__ import annotations
 
@@ -105,12 +105,13 @@ def test_task_option(capsys):
     assert "invalid choice: 'third_word'" in capsys.readouterr().err
 
 
-E2E_CONFIGS = ("dapo", "gtpo_traj_paper")
+# The two methods whose own code runs in verl's workers (a policy loss), not only in the trainer's estimator.
+E2E_CONFIGS = ("grpo_s_zero_fill", "dapo_forking")
 
 
 @pytest.mark.e2e
 def test_tiny_sweep_through_verl_writes_the_table_and_the_figure(ray_cluster, tmp_path):
-    """dapo and gtpo_traj (paper), one seed, two steps each, on the second task, on the session's Ray cluster."""
+    """grpo_s and dapo_forking, one seed, two steps each, on the second task, on the session's Ray cluster."""
     out = tmp_path / "cmp"
     rc = compare.main(
         ["--configs", ",".join(E2E_CONFIGS), "--seeds", "1", "--steps", "2", "--window", "2", "--out", str(out)]
@@ -126,9 +127,15 @@ def test_tiny_sweep_through_verl_writes_the_table_and_the_figure(ray_cluster, tm
         assert run["returncode"] == 0 and run["steps"] == 2, name
         assert 0.0 <= run["first_mean"] <= 1.0 and run["final_entropy"] > 0 and run["s_per_step"] > 0
         assert cfg["aggregate"]["runs_complete"] == 1
-    # the method's own code ran: gtpo_traj logs its diagnostics, DAPO's reward manager adds acc
-    gtpo_traj_log = (out / "gtpo_traj_paper" / "s0" / "metrics.jsonl").read_text()
-    assert '"gtpo_traj/' in gtpo_traj_log
+    # the method's own code ran: GRPO-S's estimator in the trainer and its sequence-level loss in the actor worker ...
+    grpo_s = [json.loads(line)["data"] for line in (out / "grpo_s_zero_fill" / "s0" / "metrics.jsonl").open()]
+    assert {"grpo_s/adv_abs_mean", "grpo_s/conservation_err", "actor/grpo_s/seq_clipfrac"} <= set(grpo_s[-1])
+    # ... and the forking loss, on the top 20% of tokens by entropy (fp32 actor: distinct entropies, so the selected
+    # share is ceil(0.2 n) / n)
+    forking = [json.loads(line)["data"] for line in (out / "dapo_forking" / "s0" / "metrics.jsonl").open()]
+    fracs = [d["actor/forking/selected_token_frac"] for d in forking]
+    assert len(fracs) == 2 and all(0.2 <= f <= 0.3 for f in fracs), fracs
+    assert all(d["actor/forking/entropy_threshold"] > 0 for d in forking)
     # verl's reward workers scored the second word: every dumped sample, and some where the first word would differ
     samples = [
         json.loads(line)
@@ -142,6 +149,6 @@ def test_tiny_sweep_through_verl_writes_the_table_and_the_figure(ray_cluster, tm
     assert any(demo.score_response(s["output"], s["gts"]) != s["score"] for s in samples)
     table = (out / "results.md").read_text()
     assert table.startswith("Task second_word, 2 steps per run")
-    assert "| dapo | 1/1 |" in table and "| gtpo_traj_paper | 1/1 |" in table
+    assert "| grpo_s_zero_fill | 1/1 |" in table and "| dapo_forking | 1/1 |" in table
     png = (out / "rewards.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

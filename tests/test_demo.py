@@ -347,6 +347,7 @@ E2E_WINDOW = 5
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_demo_learns(ray_cluster, assets, tmp_path):
     """GTPO (the demo's default) through verl's trainer: the mean reward of the last steps clearly beats the first."""
     overrides = [

@@ -1,23 +1,19 @@
 """Every method preset runs in the CPU demo through verl's real trainer, and a reward worker that fails in its
 constructor stops the run at start-up with its own error (gtpo.verl_plugin.startup_checks).
 
-dapo and gtpo_traj run in CI through tests/test_compare.py (the harness's tiny sweep, two steps each); the other
-presets are one step each here, opt-in with GTPO_SLOW_TESTS=1 (~1 min each on 2 cores):
+grpo_s and dapo_forking run in the default tier through tests/test_compare.py (the harness's tiny sweep, two steps
+each); here every preset runs one step, and the broken reward one start-up, in the slow tier (~2.5 min each on
+2 cores):
 
     GTPO_SLOW_TESTS=1 .venv/bin/python -m pytest -q tests/test_demo_presets.py -m e2e
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from gtpo.cpu import demo
 
-SLOW = pytest.mark.skipif(
-    os.environ.get("GTPO_SLOW_TESTS", "0") != "1", reason="one trainer run per preset; set GTPO_SLOW_TESTS=1"
-)
 
 # preset -> a metric only that method's code logs (its estimator or loss really ran)
 PRESET_METRIC = {
@@ -38,7 +34,7 @@ def _log(out) -> str:
 
 
 @pytest.mark.e2e
-@SLOW
+@pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(PRESET_METRIC))
 def test_preset_runs_one_demo_step(ray_cluster, assets, tmp_path, method):
     summary = demo.run_demo(
@@ -50,6 +46,7 @@ def test_preset_runs_one_demo_step(ray_cluster, assets, tmp_path, method):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_a_broken_reward_function_stops_the_run_at_start_up(ray_cluster, assets, tmp_path):
     """The reward worker cannot load its reward function: verl's error, before any step, not a replay-buffer one."""
     summary = demo.run_demo(

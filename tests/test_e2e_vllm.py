@@ -33,9 +33,10 @@ pytestmark = pytest.mark.e2e
 LAUNCHER = REPO_ROOT / "scripts" / "run_gtpo_qwen2.5_7b.sh"
 LAUNCHER_ARGS = ["trainer=colocate_async"]
 
-# What the CPU run sets beyond the backend preset: a 48-token response and 4 steps, so that a pause finds requests
-# in flight (from step 3 on, a batch is still generating when the next one is submitted, and step 4 trains on
-# responses resumed across a weight sync), token budgets that fit the tiny model's 151,936-way logits in memory.
+# What the CPU run sets beyond the backend preset: the demo's model (a 43-token vocabulary: a random model ends
+# its responses at varying lengths, and a step trains in seconds), a 48-token response and 4 steps, so that a pause
+# finds requests in flight (from step 3 on, a batch is still generating when the next one is submitted, and step 4
+# trains on responses resumed across a weight sync), and token budgets sized for a CPU.
 CPU_ARGS = [
     "backend=cpu_tiny",
     "trainer.total_training_steps=4",
@@ -130,6 +131,12 @@ def _flatten(node, prefix: str = "") -> dict[str, object]:
     return {prefix.rstrip("."): node}
 
 
+def _shm_segments() -> set[str]:
+    """vLLM's (``psm_*``) and verl's weight-transfer (``verl_weights_*``) shared-memory segments now in /dev/shm."""
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("psm_*")} | {p.name for p in shm.glob("verl_weights_*")} if shm.is_dir() else set()
+
+
 def _hydra(value) -> str:
     """A resolved config value as a Hydra override value."""
     if value is None:
@@ -148,6 +155,13 @@ def tiny_assets():
     from gtpo.cpu.tiny_assets import build_tiny_assets
 
     return build_tiny_assets()
+
+
+@pytest.fixture(scope="module")
+def demo_assets():
+    from gtpo.cpu.demo import build_demo_assets
+
+    return build_demo_assets(seed=0)
 
 
 def _launcher_env(tmp: Path, assets, extra: dict[str, str]) -> dict[str, str]:
@@ -172,14 +186,14 @@ def _dry_config(tmp: Path, assets, args: list[str]) -> dict:
     return resolved_config(proc.stdout)
 
 
-def test_launcher_rollout_settings_run_on_cpu_with_an_in_flight_pause(ray_cluster, tiny_assets, tmp_path):
+def test_launcher_rollout_settings_run_on_cpu_with_an_in_flight_pause(ray_cluster, demo_assets, tmp_path):
     from gtpo.cpu import env as cpu_env
 
-    launcher = _flatten(_dry_config(tmp_path, tiny_assets, LAUNCHER_ARGS))
+    launcher = _flatten(_dry_config(tmp_path, demo_assets, LAUNCHER_ARGS))
     # The launcher's vLLM settings, passed through after the backend preset (whose test sampling, n=4, gives way).
     vllm_as_set = [f"{k}={_hydra(launcher[k])}" for k in (f"actor_rollout_ref.rollout.{key}" for key in VLLM_AS_SET)]
-    cpu_args = [*LAUNCHER_ARGS, *_cpu_args(tiny_assets), *vllm_as_set]
-    cpu_run = _flatten(_dry_config(tmp_path, tiny_assets, cpu_args))
+    cpu_args = [*LAUNCHER_ARGS, *_cpu_args(demo_assets), *vllm_as_set]
+    cpu_run = _flatten(_dry_config(tmp_path, demo_assets, cpu_args))
     differing = sorted(
         k for k in set(launcher) | set(cpu_run) if launcher.get(k, "<absent>") != cpu_run.get(k, "<absent>")
     )
@@ -194,7 +208,7 @@ def test_launcher_rollout_settings_run_on_cpu_with_an_in_flight_pause(ray_cluste
 
     # The real run, through the launcher script, joining the session's Ray cluster.
     metrics_path = tmp_path / "metrics.jsonl"
-    env = _launcher_env(tmp_path, tiny_assets, {"RAY_ADDRESS": ray_cluster.address, "RAY_AUTH_MODE": "disabled"})
+    env = _launcher_env(tmp_path, demo_assets, {"RAY_ADDRESS": ray_cluster.address, "RAY_AUTH_MODE": "disabled"})
     env.pop("DRY_RUN")
     env.update({k: v for k, v in cpu_env(base=env).items()})
     env["VERL_LOGGING_LEVEL"] = "INFO"  # verl's server logs each abort with the number of requests it cut
@@ -205,6 +219,7 @@ def test_launcher_rollout_settings_run_on_cpu_with_an_in_flight_pause(ray_cluste
         f"{runtime_env}.VERL_LOGGING_LEVEL=INFO", f"hydra.run.dir={tmp_path / 'hydra'}",
     ]  # fmt: skip
     log_path = tmp_path / "launcher.log"
+    shm_before = _shm_segments()
     with open(log_path, "wb") as log:
         proc = subprocess.run(
             ["bash", str(LAUNCHER), *args], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900
@@ -216,12 +231,20 @@ def test_launcher_rollout_settings_run_on_cpu_with_an_in_flight_pause(ray_cluste
 
     # verl's vLLM server and engine generated (not a stand-in), with the launcher's sampling
     assert "vLLMHttpServer" in log_text and "EngineCore" in log_text
-    assert all(m["data"]["response_length/mean"] > 1 for m in metrics)
+    assert all(m["data"]["response_length/min"] < m["data"]["response_length/max"] for m in metrics)
     # a pause found requests in flight: verl's server aborted them ...
     aborted = [int(n) for n in re.findall(r"Aborted (\d+) requests", log_text)]
     assert aborted and max(aborted) > 0, f"no pause aborted a running request (aborts: {aborted})"
     # ... and they were resumed with the new weights: a later step trains on responses spanning two policy versions
     assert max(m["data"]["gtpo/trajectory_spans_max"] for m in metrics) >= 2, [m["data"] for m in metrics]
+    # GTPO's estimator ran on the async path, with the old policy's entropy (a random model's is far from 0) and
+    # verl's off-policy metrics mirrored beside its own
+    for m in metrics:
+        data = m["data"]
+        assert {"gtpo/adv_pos_mean", "gtpo/conservation_err", "gtpo/trajectory_staleness_max"} <= set(data)
+        assert data["gtpo/entropy_correct_mean"] > 1.0 or data["gtpo/entropy_incorrect_mean"] > 1.0
+    # the run left no shared memory behind (gtpo.cpu.vllm_patches, patch 3)
+    assert _shm_segments() <= shm_before, sorted(_shm_segments() - shm_before)
     # the weights reached the server at every sync: rollout and trainer log-probs agree
     for m in metrics:
         assert m["data"]["training/rollout_actor_probs_pearson_corr"] > 0.99, m["data"]
@@ -241,9 +264,13 @@ def test_a_broken_weight_sync_fails_within_its_limit_naming_the_stage(ray_cluste
         # every vLLM plugin but the recipe's: vLLM packs the fp32 linear weights away and the first sync breaks
         "+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_PLUGINS=lora_filesystem_resolver",
     ]
+    shm_before = _shm_segments()
     start = time.monotonic()
     result = run_recipe(ray_cluster, tmp_path, overrides, timeout=600, name="broken_sync")
     elapsed = time.monotonic() - start
+    # Without the recipe's vLLM plugin nothing unlinks vLLM's segments, and the stopped sender leaves its bucket.
+    for name in _shm_segments() - shm_before:
+        Path("/dev/shm", name).unlink(missing_ok=True)
     assert result.returncode not in (0, -9), f"the run did not fail on its own (rc={result.returncode})"
     log = result.log
     assert "AttributeError: 'Parameter' object has no attribute 'weight_loader'" in log, tail(log)

@@ -1,6 +1,6 @@
 """scripts/eval_checkpoint.sh end to end on CPU: a checkpoint of the tiny model, validation only, then gtpo.eval.
 
-    .venv/bin/python -m pytest -q -m e2e tests/test_eval_checkpoint.py
+    GTPO_SLOW_TESTS=1 .venv/bin/python -m pytest -q -m e2e tests/test_eval_checkpoint.py
 
 A one-step run of the recipe saves ``global_step_1``; the evaluation command then runs verl's validation alone on it
 (``trainer.val_only=true``, resumed from the checkpoint) through a launch script with the CPU backend, dumps every
@@ -22,7 +22,7 @@ import pytest
 
 from tests.e2e_support import REPO_ROOT, run_recipe, tail
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 COIN_REWARD = REPO_ROOT / "tests" / "assets" / "coin_reward.py"
 N_SAMPLES = 4
