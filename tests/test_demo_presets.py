@@ -14,7 +14,6 @@ import pytest
 
 from gtpo.cpu import demo
 
-
 # preset -> a metric only that method's code logs (its estimator or loss really ran)
 PRESET_METRIC = {
     "grpo": "critic/advantages/mean",
