@@ -25,10 +25,8 @@ import numpy as np
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_policy_loss
 
-from gtpo.algorithms.entropy_shaping import GRPOSParams, GTPOParams
+from gtpo.algorithms.entropy_shaping import GRPOSParams, GTPOParams, grpo_s_advantages, gtpo_token_advantages
 from gtpo.algorithms.group_ops import group_ids
-from gtpo.algorithms.grpo_s import grpo_s_advantages
-from gtpo.algorithms.gtpo_token import gtpo_token_advantages
 from gtpo.algorithms.length_penalty import GROPParams, grop_penalty
 from gtpo.algorithms.losses import grpo_s_loss_matrix
 from gtpo.verl_plugin.config import load_knobs
@@ -158,12 +156,11 @@ def compute_gtpo_advantage(
     rewards, mask, gid, num_groups = _common_inputs("gtpo", token_level_rewards, response_mask, index, entropy)
     extra: dict[str, float] = {}
     offset = _grop_offset(config, rewards, mask, gid, num_groups, params.reward_threshold, extra)
-    adv, diag = gtpo_token_advantages(
-        entropy, mask, rewards, gid, num_groups, params, reward_offset=offset, responses=responses
+    adv, ret, diag = gtpo_token_advantages(
+        entropy, mask, rewards, gid, num_groups, params, reward_offset=offset, responses=responses, with_returns=True
     )
-    adv = adv.to(token_level_rewards.dtype)
     _write_metrics(metrics, "gtpo", diag, extra)
-    return adv, adv.clone()
+    return adv.to(token_level_rewards.dtype), ret.to(token_level_rewards.dtype)
 
 
 @register_adv_est("grpo_s")
@@ -186,10 +183,11 @@ def compute_grpo_s_advantage(
     rewards, mask, gid, num_groups = _common_inputs("grpo_s", token_level_rewards, response_mask, index, entropy)
     extra: dict[str, float] = {}
     offset = _grop_offset(config, rewards, mask, gid, num_groups, params.reward_threshold, extra)
-    adv, diag = grpo_s_advantages(entropy, mask, rewards, gid, num_groups, params, reward_offset=offset)
-    adv = adv.to(token_level_rewards.dtype)
+    adv, ret, diag = grpo_s_advantages(
+        entropy, mask, rewards, gid, num_groups, params, reward_offset=offset, with_returns=True
+    )
     _write_metrics(metrics, "grpo_s", diag, extra)
-    return adv, adv.clone()
+    return adv.to(token_level_rewards.dtype), ret.to(token_level_rewards.dtype)
 
 
 def _clip_bounds(config: Any) -> tuple[float, float]:
