@@ -85,7 +85,7 @@ def test_gtpo_estimator_equals_pure_function_and_writes_metrics():
     gid, ng = group_ids(uids)
     expected, diag = gtpo_token_advantages(ent, mask, tlr.sum(-1), gid, ng, GTPOParams(alpha2=0.2, norm_mode="joint"))
     torch.testing.assert_close(adv, expected)
-    assert torch.equal(ret, adv) and ret.data_ptr() != adv.data_ptr()
+    assert ret is adv  # returns = advantages, one tensor, as verl's GRPO estimators return them
     assert adv.dtype == tlr.dtype and torch.count_nonzero(adv[~mask.bool()]) == 0
     # kernel_compile_s appears on the call that compiled (or loaded) the kernel in this process
     assert set(metrics) - {"gtpo/kernel_compile_s"} == {f"gtpo/{k}" for k in diag if k != "kernel_compile_s"}

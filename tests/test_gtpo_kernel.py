@@ -111,9 +111,8 @@ def test_two_threads_equal_one(monkeypatch, weight_scope, norm_scope):
     assert_same(two, one)
 
 
-def test_large_output_is_zero_on_padding_and_returns_are_a_second_tensor():
-    """A batch whose outputs take the huge-page mapping (> 8 MB): padding stays zero, ``returns`` equals the
-    advantages in its own storage."""
+def test_large_output_is_zero_on_padding():
+    """A batch whose output takes the huge-page mapping (> 8 MB): padding keeps the mapping's zeros."""
     gen = torch.Generator().manual_seed(0)
     rows, length = 1200, 2048
     lengths = torch.randint(0, length + 1, (rows,), generator=gen)
@@ -121,10 +120,9 @@ def test_large_output_is_zero_on_padding_and_returns_are_a_second_tensor():
     entropy = torch.where(mask.bool(), torch.rand(rows, length, generator=gen), float("nan"))
     rewards = torch.where(torch.rand(rows, generator=gen) < 0.4, 1.0, 0.0)
     gid = torch.arange(rows) % 75
-    adv, ret, diag = gtpo_token_advantages(entropy, mask, rewards, gid, 75, with_returns=True)
+    adv, diag = gtpo_token_advantages(entropy, mask, rewards, gid, 75)
     ref, ref_diag = gtpo_token_reference(entropy, mask, rewards, gid, 75)
     torch.testing.assert_close(adv, ref, rtol=1e-5, atol=1e-6)
-    assert torch.equal(ret, adv) and ret.data_ptr() != adv.data_ptr()
     assert torch.count_nonzero(adv[~mask.bool()]) == 0
     assert diag["frac_tokens_adv_pos"] == pytest.approx(ref_diag["frac_tokens_adv_pos"], abs=1e-6)
 
@@ -171,12 +169,12 @@ def test_falls_back_to_the_definition_when_numba_is_missing(monkeypatch):
     monkeypatch.setattr(kernel_support.importlib, "import_module", no_numba)
     entropy, mask, rewards, gid, groups, responses, offset = random_batch(0)
     with pytest.warns(RuntimeWarning, match="gtpo_token_kernel: compiled kernel unavailable.*numba"):
-        adv, ret, diag = gtpo_token_advantages(entropy, mask, rewards, gid, groups, None, offset, with_returns=True)
+        adv, diag = gtpo_token_advantages(entropy, mask, rewards, gid, groups, None, offset)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process
         again, _ = gtpo_token_advantages(entropy, mask, rewards, gid, groups, None, offset)
     ref, _ = gtpo_token_reference(entropy, mask, rewards, gid, groups, None, offset)
-    assert torch.equal(adv, ref) and torch.equal(again, ref) and torch.equal(ret, ref)
+    assert torch.equal(adv, ref) and torch.equal(again, ref)
     assert "kernel_compile_s" not in diag
     bad = entropy.clone()
     bad[tuple(mask.bool().nonzero()[3].tolist())] = float("nan")
@@ -241,3 +239,12 @@ def test_compile_time_is_reported_on_the_first_call_only():
     assert res.returncode == 0, res.stderr[-2000:]
     first, second = json.loads(res.stdout.strip().splitlines()[-1])
     assert first is not None and first > 0 and second is None
+
+
+def test_registering_the_plugin_imports_no_kernel():
+    """verl imports the plugin in every Ray process; only the one that computes advantages loads (and compiles) a
+    kernel, on its first call."""
+    probe = "import sys, gtpo.verl_plugin.register; print([m for m in sys.modules if m.endswith('_kernel')])"
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "[]"

@@ -365,9 +365,7 @@ def gtpo_token_advantages(
     params: GTPOParams | None = None,
     reward_offset: torch.Tensor | None = None,
     responses: torch.Tensor | None = None,
-    *,
-    with_returns: bool = False,
-):
+) -> tuple[torch.Tensor, dict[str, float]]:
     """GTPO-token advantages (Eq. 3, 5, 6) with diagnostics.
 
     Behaviour in the edge cases (docs/ALGORITHMS.md §3.3, §3.6):
@@ -392,20 +390,17 @@ def gtpo_token_advantages(
         params: :class:`GTPOParams` (None: the defaults).
         reward_offset: optional ``[B]`` additive reward (e.g. the GROP penalty), added to both bases.
         responses: ``[B, L]`` token ids; required when ``params.conflict_mask``.
-        with_returns: also return a second tensor equal to the advantages (verl's ``returns``), written in the
-            same pass by the kernel.
 
     Returns:
-        ``(advantages, diagnostics)``, or ``(advantages, returns, diagnostics)`` with ``with_returns``: ``[B, L]``
-        float32, zero on padding; diagnostics a dict of python floats: ``weight_pos_mean/std/max`` and
-        ``weight_neg_*`` (the count-scaled entropy weights ``share*d_t``, mean 1 by construction; 0 when
-        ``alpha2 = 0``), ``shaped_correct_mean`` / ``shaped_incorrect_mean`` (token means of the shaped reward),
-        ``adv_correct_mean`` / ``adv_incorrect_mean``, ``adv_pos_mean`` / ``adv_neg_mean`` (mean of the positive /
-        negative advantages), ``adv_abs_mean``, ``frac_tokens_adv_pos`` / ``frac_tokens_adv_neg`` (a zero advantage
-        is neither), ``conservation_err`` (max over weight segments and positions of ``|sum r~ - (a1*sum base +-
-        a2*count)|``; ~``a2*eps/H`` unless all entropies at a position are 0), ``frac_groups_all_correct`` /
-        ``frac_groups_all_wrong``, ``entropy_correct_mean`` / ``entropy_incorrect_mean``; ``conflict_token_frac``
-        under ``conflict_mask``; ``kernel_compile_s`` on the call that compiled the kernel.
+        ``(advantages [B, L] float32, zero on padding; diagnostics)``, the diagnostics a dict of python floats:
+        ``weight_pos_mean/std/max`` and ``weight_neg_*`` (the count-scaled entropy weights ``share*d_t``, mean 1 by
+        construction; 0 when ``alpha2 = 0``), ``shaped_correct_mean`` / ``shaped_incorrect_mean`` (token means of the
+        shaped reward), ``adv_correct_mean`` / ``adv_incorrect_mean``, ``adv_pos_mean`` / ``adv_neg_mean`` (mean of the
+        positive / negative advantages), ``adv_abs_mean``, ``frac_tokens_adv_pos`` / ``frac_tokens_adv_neg`` (a zero
+        advantage is neither), ``conservation_err`` (max over weight segments and positions of ``|sum r~ - (a1*sum base
+        +- a2*count)|``; ~``a2*eps/H`` unless all entropies at a position are 0), ``frac_groups_all_correct`` /
+        ``frac_groups_all_wrong``, ``entropy_correct_mean`` / ``entropy_incorrect_mean``; ``conflict_token_frac`` under
+        ``conflict_mask``; ``kernel_compile_s`` on the call that compiled the kernel.
 
     Raises:
         ValueError: on bad inputs (:func:`validate_shaping_inputs`) or a missing ``responses``.
@@ -420,16 +415,14 @@ def gtpo_token_advantages(
     if kernel is not None:
         try:
             return kernel.gtpo_token_kernel(
-                entropy, response_mask, correct.cpu(), base.cpu(), gid.cpu(), num_groups, params, responses,
-                with_returns,
-            )  # fmt: skip
+                entropy, response_mask, correct.cpu(), base.cpu(), gid.cpu(), num_groups, params, responses
+            )
         except kernel.CompileError as err:
             kernel_failed("gtpo_token_kernel", err)
     from gtpo.algorithms.gtpo_token import gtpo_token_reference
 
     check_token_values(entropy, response_mask.to(entropy.device), params.neg_entropy_tol)
-    adv, diag = gtpo_token_reference(entropy, response_mask, rewards, gid, num_groups, params, reward_offset, responses)
-    return (adv, adv.clone(), diag) if with_returns else (adv, diag)
+    return gtpo_token_reference(entropy, response_mask, rewards, gid, num_groups, params, reward_offset, responses)
 
 
 @torch.no_grad()
@@ -441,9 +434,7 @@ def grpo_s_advantages(
     num_groups: int,
     params: GRPOSParams | None = None,
     reward_offset: torch.Tensor | None = None,
-    *,
-    with_returns: bool = False,
-):
+) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO-S advantages per group (§2.3, Eq. 8, 9), broadcast to the response's tokens.
 
     ``norm_mode="zero_fill"``: ``A^+_i = (r^+_i - mean_G(r^+)) / (std_G(r^+) + eps)`` with r^+ = 0 on the group's
@@ -461,10 +452,9 @@ def grpo_s_advantages(
         entropy: ``[B, L]`` old-policy token entropy. response_mask: ``[B, L]`` 0/1. rewards: ``[B]``.
         gid: ``[B]`` int64 group ids; num_groups: ``NG``. params: :class:`GRPOSParams` (None: defaults).
         reward_offset: optional ``[B]`` additive reward (GROP).
-        with_returns: as in :func:`gtpo_token_advantages`.
 
     Returns:
-        ``(advantages [B, L] float32, zero on padding; [returns;] diagnostics dict of python floats)``. Diagnostics
+        ``(advantages [B, L] float32, zero on padding; diagnostics dict of python floats)``. Diagnostics
         keys: ``seq_weight_pos_mean/max``, ``seq_weight_neg_mean/max``, ``adv_correct_mean``,
         ``adv_incorrect_mean``, ``adv_abs_mean``, ``frac_seq_adv_pos``, ``frac_seq_adv_neg``, ``conservation_err``,
         ``frac_groups_all_correct``, ``frac_groups_all_wrong``, ``seq_entropy_correct_mean``,
@@ -478,12 +468,11 @@ def grpo_s_advantages(
     if kernel is not None:
         try:
             return kernel.grpo_s_kernel(
-                entropy, response_mask, correct.cpu(), base.cpu(), gid.cpu(), num_groups, params, with_returns
+                entropy, response_mask, correct.cpu(), base.cpu(), gid.cpu(), num_groups, params
             )
         except kernel.CompileError as err:
             kernel_failed("grpo_s_kernel", err)
     from gtpo.algorithms.grpo_s import grpo_s_reference
 
     check_token_values(entropy, response_mask.to(entropy.device), params.neg_entropy_tol)
-    adv, diag = grpo_s_reference(entropy, response_mask, rewards, gid, num_groups, params, reward_offset)
-    return (adv, adv.clone(), diag) if with_returns else (adv, diag)
+    return grpo_s_reference(entropy, response_mask, rewards, gid, num_groups, params, reward_offset)

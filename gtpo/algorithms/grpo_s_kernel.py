@@ -136,44 +136,39 @@ def _sequence_advantages(hsum, n, neg, base, gid, num_groups, b1, b2, eps, joint
 
 
 @njit(**JIT_OPTIONS)
-def _broadcast(M, lo, hi, n, last, adv, out, out2, both):
+def _broadcast(M, lo, hi, n, last, adv, out):
     """``out[i, t] = adv[i]`` on the valid tokens of rows ``lo:hi``."""
     for i in range(lo, hi):
         a = adv[i]
         o = out[i]
-        o2 = out2[i] if both else o
         if n[i] == last[i] + 1:
             for t in range(n[i]):
                 o[t] = a
-                o2[t] = a
         else:
             m_row = M[i]
             for t in range(last[i] + 1):
-                x = a if m_row[t] != 0 else 0.0
-                o[t] = x
-                o2[t] = x
+                o[t] = a if m_row[t] != 0 else 0.0
 
 
-def grpo_s_kernel(entropy, response_mask, correct, base, gid, num_groups, params, with_returns=False):
+def grpo_s_kernel(entropy, response_mask, correct, base, gid, num_groups, params):
     """GRPO-S advantages and diagnostics on CPU tensors (validated by the caller).
 
     Args:
         entropy: ``[B, L]``. response_mask: ``[B, L]`` 0/1. correct: ``[B]`` bool. base: ``[B]`` float64 bases (GROP
         offset included). gid: ``[B]`` int64; num_groups: ``NG``. params: ``GRPOSParams``.
-        with_returns: also return a second, equal tensor written in the same pass (verl's ``returns``).
 
     Returns:
-        ``(advantages [B, L] float32, [returns,] diagnostics)``, as
+        ``(advantages [B, L] float32, diagnostics)``, as
         :func:`gtpo.algorithms.entropy_shaping.grpo_s_advantages`.
     """
     with compile_timer() as timer:
-        outputs = _grpo_s(entropy, response_mask, correct, base, gid, num_groups, params, with_returns)
+        outputs = _grpo_s(entropy, response_mask, correct, base, gid, num_groups, params)
     if timer.seconds > 0:
         outputs[-1]["kernel_compile_s"] = timer.seconds
     return outputs
 
 
-def _grpo_s(entropy, response_mask, correct, base, gid, num_groups, params, with_returns):
+def _grpo_s(entropy, response_mask, correct, base, gid, num_groups, params):
     # float32 / float64 entropy is read as it is, other float types as float32
     H = (entropy if entropy.dtype in (torch.float32, torch.float64) else entropy.float()).detach()
     H = H.contiguous().numpy()
@@ -198,11 +193,9 @@ def _grpo_s(entropy, response_mask, correct, base, gid, num_groups, params, with
     _sequence_advantages(hsum, n, neg, base, gid, num_groups, b1, b2, eps, params.norm_mode == "joint",
                          params.std == "unbiased", float(params.zero_var_rtol), hbar, shaped, adv_seq)  # fmt: skip
     out = zeroed_output(b, length)
-    out2 = zeroed_output(b, length) if with_returns else out
-    jobs = [(M, lo, hi, n, last, adv_seq, out.numpy(), out2.numpy(), with_returns) for lo, hi in shares]
-    run_threads(_broadcast, jobs)
+    run_threads(_broadcast, [(M, lo, hi, n, last, adv_seq, out.numpy()) for lo, hi in shares])
     diag = _diagnostics(correct.numpy(), n > 0, gid, num_groups, base, hbar, shaped, adv_seq, b1, b2)
-    return (out, out2, diag) if with_returns else (out, diag)
+    return out, diag
 
 
 def _diagnostics(correct, nonempty, gid, num_groups, base, hbar, shaped, adv, b1, b2) -> dict[str, float]:

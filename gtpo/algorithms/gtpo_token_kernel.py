@@ -121,6 +121,32 @@ def _values(h_row, m_row, stop, dense, negative, eps, tol, v):
 
 
 @njit(**JIT_OPTIONS)
+def _accumulate(h_row, stop, negative, eps, tol, s_t, q_t, top_v):
+    """:func:`_values` of a dense row folded straight into ``S_t``, ``Q_t`` and ``max v`` (no buffer)."""
+    total = 0.0
+    low = 0
+    if negative:
+        for t in range(stop):
+            h = h_row[t]
+            total += h
+            low += h < -tol
+            x = 1.0 / (max(h, 0.0) + eps)
+            s_t[t] += x
+            q_t[t] += x * x
+            top_v[t] = max(top_v[t], x)
+    else:
+        for t in range(stop):
+            h = h_row[t]
+            total += h
+            low += h < -tol
+            x = max(h, 0.0)
+            s_t[t] += x
+            q_t[t] += x * x
+            top_v[t] = max(top_v[t], x)
+    return total, low
+
+
+@njit(**JIT_OPTIONS)
 def _scan(H, M, rows, neg, ebase, eps, tol, acc, hist, n, last, hsum, err):
     """Pass 1 over ``rows``: per position ``acc[q] = (cnt, S, Q, BV, max v)``; per row count, last column, entropy sum.
 
@@ -138,25 +164,26 @@ def _scan(H, M, rows, neg, ebase, eps, tol, acc, hist, n, last, hsum, err):
         top = max(top, lst)
         q = 1 if neg[i] else 0
         dense = count == lst + 1
-        total, low = _values(H[i], M[i], lst + 1, dense, q == 1, eps, tol, v)
-        hsum[i] = total
-        err[1] += not np.isfinite(total)
-        err[2] += low
+        e = ebase[i]
         cnt, s_t, q_t, bv, top_v = acc[q, 0], acc[q, 1], acc[q, 2], acc[q, 3], acc[q, 4]
+        if dense and e == 0.0:  # the common row: one loop from the entropy to the sums
+            total, low = _accumulate(H[i], count, q == 1, eps, tol, s_t, q_t, top_v)
+        else:
+            total, low = _values(H[i], M[i], lst + 1, dense, q == 1, eps, tol, v)
+            for t in range(lst + 1):
+                s_t[t] += v[t]
+                q_t[t] += v[t] * v[t]
+                top_v[t] = max(top_v[t], v[t])
+                bv[t] += e * v[t]
         if dense:
             hist[q, count] += 1.0
         else:
             m_row = M[i]
             for t in range(lst + 1):
                 cnt[t] += m_row[t] != 0
-        for t in range(lst + 1):
-            s_t[t] += v[t]
-            q_t[t] += v[t] * v[t]
-            top_v[t] = max(top_v[t], v[t])
-        e = ebase[i]
-        if e != 0.0:
-            for t in range(lst + 1):
-                bv[t] += e * v[t]
+        hsum[i] = total
+        err[1] += not np.isfinite(total)
+        err[2] += low
     return top
 
 
@@ -208,7 +235,24 @@ def _moments(H, M, rows, neg, c, eps, tol, a1, a2, base, n, last, mom):
 
 
 @njit(**JIT_OPTIONS)
-def _write(H, M, rows, neg, c, eps, tol, g, k, n, last, fwd, bwd, lam, out, out2, both, rdiag):
+def _emit(v, c, g, k, stop, o):
+    """``o[t] = g + k c_t v_t`` for ``t < stop``; returns ``(sum, sum |.|, #> 0, #< 0)`` of what it wrote."""
+    total = 0.0
+    size = 0.0
+    pos = 0
+    negs = 0
+    for t in range(stop):
+        a = g + k * c[t] * v[t]
+        o[t] = a
+        total += a
+        size += abs(a)
+        pos += a > 0.0
+        negs += a < 0.0
+    return total, size, pos, negs
+
+
+@njit(**JIT_OPTIONS)
+def _write(H, M, rows, neg, c, eps, tol, g, k, n, last, fwd, bwd, lam, out, rdiag):
     """Pass 2: ``adv = (g_i + k_i c_t v_t) * lambda_{i,t}`` on the valid tokens (padding keeps its zeros).
 
     ``lambda`` is ``lam[i]`` on the first ``fwd[i]`` and the last ``bwd[i]`` valid columns (the conflict runs), 1
@@ -225,30 +269,20 @@ def _write(H, M, rows, neg, c, eps, tol, g, k, n, last, fwd, bwd, lam, out, out2
         cq = c[q]
         gi = g[i]
         ki = k[i]
-        for t in range(lst + 1):
-            v[t] = gi + ki * cq[t] * v[t]
-        if not dense:
-            m_row = M[i]
+        if dense and fwd[i] == 0 and bwd[i] == 0:  # the common row: one loop from v to the output
+            total, size, pos, negs = _emit(v, cq, gi, ki, lst + 1, out[i])
+        else:
             for t in range(lst + 1):
-                v[t] = v[t] if m_row[t] != 0 else 0.0
-        for t in range(min(fwd[i], lst + 1)):
-            v[t] *= lam[i]
-        for t in range(max(lst + 1 - bwd[i], 0), lst + 1):
-            v[t] *= lam[i]
-        o = out[i]
-        o2 = out2[i] if both else o
-        total = 0.0
-        size = 0.0
-        pos = 0
-        negs = 0
-        for t in range(lst + 1):
-            a = v[t]
-            o[t] = a
-            o2[t] = a
-            total += a
-            size += abs(a)
-            pos += a > 0.0
-            negs += a < 0.0
+                v[t] = gi + ki * cq[t] * v[t]
+            if not dense:
+                m_row = M[i]
+                for t in range(lst + 1):
+                    v[t] = v[t] if m_row[t] != 0 else 0.0
+            for t in range(min(fwd[i], lst + 1)):
+                v[t] *= lam[i]
+            for t in range(max(lst + 1 - bwd[i], 0), lst + 1):
+                v[t] *= lam[i]
+            total, size, pos, negs = _emit(v, np.ones(lst + 1), 0.0, 1.0, lst + 1, out[i])
         rdiag[i, 0] = total
         rdiag[i, 1] = size
         rdiag[i, 2] = pos
@@ -317,7 +351,7 @@ def _row_scales(rows, neg, base, a1, a2, mean, inv, g, k):
 
 @njit(**JIT_OPTIONS)
 def _group_sweep(H, M, order, gptr, groups, neg, ebase, base, b0, x0, params, c_batch, by_group, write,
-                 n, last, hsum, err, mom, cons, g, k, fwd, bwd, lam, out, out2, both, rdiag):  # fmt: skip
+                 n, last, hsum, err, mom, cons, g, k, fwd, bwd, lam, out, rdiag):  # fmt: skip
     """The group scopes, for ``groups`` (one thread's share), rows ``order[gptr[j]:gptr[j + 1]]`` of group j.
 
     ``params = (eps, tol, a1, a2, mode, unbiased, rtol)``. ``by_group``: weights per group (``weight_scope="group"``),
@@ -347,15 +381,14 @@ def _group_sweep(H, M, order, gptr, groups, neg, ebase, base, b0, x0, params, c_
             _set_scales(st, x0, mode, unbiased, rtol, eps, mean, inv)
             _row_scales(rows, neg, base, a1, a2, mean, inv, g, k)
         if write:
-            _write(H, M, rows, neg, c, eps, tol, g, k, n, last, fwd, bwd, lam, out, out2, both, rdiag)
+            _write(H, M, rows, neg, c, eps, tol, g, k, n, last, fwd, bwd, lam, out, rdiag)
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # the estimator
 
 
-def gtpo_token_kernel(entropy, response_mask, correct, base, gid, num_groups, params, responses=None,
-                      with_returns=False):  # fmt: skip
+def gtpo_token_kernel(entropy, response_mask, correct, base, gid, num_groups, params, responses=None):
     """GTPO-token advantages and diagnostics on CPU tensors (validated by the caller).
 
     Args:
@@ -363,10 +396,9 @@ def gtpo_token_kernel(entropy, response_mask, correct, base, gid, num_groups, pa
         correct: ``[B]`` bool. base: ``[B]`` float64 bases (``shaping_bases``: reward or -1, plus the GROP offset).
         gid: ``[B]`` int64 group ids; num_groups: ``NG``. params: ``GTPOParams``.
         responses: ``[B, L]`` token ids when ``params.conflict_mask``.
-        with_returns: also return a second, equal tensor written in the same pass (verl's ``returns``).
 
     Returns:
-        ``(advantages [B, L] float32, [returns,] diagnostics)``; ``kernel_compile_s`` is among the diagnostics on a
+        ``(advantages [B, L] float32, diagnostics)``; ``kernel_compile_s`` is among the diagnostics on a
         call that compiled (or loaded from the disk cache) the kernel.
 
     Raises:
@@ -374,7 +406,7 @@ def gtpo_token_kernel(entropy, response_mask, correct, base, gid, num_groups, pa
             values. ``CompileError`` when numba cannot compile the kernel (the caller falls back to the definition).
     """
     with compile_timer() as timer:
-        outputs = _gtpo_token(entropy, response_mask, correct, base, gid, num_groups, params, responses, with_returns)
+        outputs = _gtpo_token(entropy, response_mask, correct, base, gid, num_groups, params, responses)
     if timer.seconds > 0:
         outputs[-1]["kernel_compile_s"] = timer.seconds
     return outputs
@@ -383,7 +415,7 @@ def gtpo_token_kernel(entropy, response_mask, correct, base, gid, num_groups, pa
 class _Batch:
     """The numpy views, knobs and per-row arrays one call of the kernel shares between its passes."""
 
-    def __init__(self, entropy, response_mask, correct, base, gid, num_groups, params, with_returns):
+    def __init__(self, entropy, response_mask, correct, base, gid, num_groups, params):
         self.entropy, self.response_mask, self.params = entropy, response_mask, params
         # float32 / float64 entropy is read as it is, other float types as float32
         h = entropy if entropy.dtype in (torch.float32, torch.float64) else entropy.float()
@@ -410,8 +442,6 @@ class _Batch:
         self.fwd, self.bwd = np.zeros(b, np.int64), np.zeros(b, np.int64)
         self.lam = np.where(self.neg, float(params.conflict_lam_neg), float(params.conflict_lam_pos))
         self.out = zeroed_output(b, length)
-        self.out2 = zeroed_output(b, length) if with_returns else self.out
-        self.both = with_returns
         self.threads = num_threads(b)
         self.diag: dict[str, float] = {}
 
@@ -438,8 +468,8 @@ class _Batch:
         _row_scales(np.arange(self.rows), self.neg, self.base, self.a1, self.a2, mean, inv, self.g, self.k)
 
 
-def _gtpo_token(entropy, response_mask, correct, base, gid, num_groups, params, responses, with_returns):
-    bt = _Batch(entropy, response_mask, correct, base, gid, num_groups, params, with_returns)
+def _gtpo_token(entropy, response_mask, correct, base, gid, num_groups, params, responses):
+    bt = _Batch(entropy, response_mask, correct, base, gid, num_groups, params)
     if params.weight_scope == "batch":
         c, acc, tops = _batch_weights(bt)
         if params.conflict_mask:
@@ -448,7 +478,7 @@ def _gtpo_token(entropy, response_mask, correct, base, gid, num_groups, params, 
         if params.norm_scope == "batch":
             shaped = _closed_form(bt, c, acc)
             jobs = [(bt.H, bt.M, np.arange(lo, hi), bt.neg, c, bt.eps, bt.tol, bt.g, bt.k, bt.n, bt.last, bt.fwd,
-                     bt.bwd, bt.lam, bt.out.numpy(), bt.out2.numpy(), bt.both, bt.rdiag)
+                     bt.bwd, bt.lam, bt.out.numpy(), bt.rdiag)
                     for lo, hi in row_shares(bt.rows, bt.threads)]  # fmt: skip
             run_threads(_write, jobs)  # pass 2
         else:
@@ -457,7 +487,7 @@ def _gtpo_token(entropy, response_mask, correct, base, gid, num_groups, params, 
         shaped, weights = _group_scopes(bt, None, responses)
     bt.diag.update(_diagnostics(params, correct.numpy(), gid.numpy(), num_groups, bt.n, bt.hsum, bt.rdiag, shaped,
                                 *weights))  # fmt: skip
-    return (bt.out, bt.out2, bt.diag) if with_returns else (bt.out, bt.diag)
+    return bt.out, bt.diag
 
 
 def _batch_weights(bt):
@@ -523,7 +553,7 @@ def _group_scopes(bt, c_batch, responses):
         run_threads(_group_sweep, [
             (bt.H, bt.M, order, gptr, np.arange(lo, hi), bt.neg, bt.ebase, bt.base, bt.b0, bt.x0, bt.jit, c_batch,
              by_group, write, bt.n, bt.last, bt.hsum, errs[t], bt.mom, per_group, bt.g, bt.k, bt.fwd, bt.bwd, bt.lam,
-             bt.out.numpy(), bt.out2.numpy(), bt.both, bt.rdiag)
+             bt.out.numpy(), bt.rdiag)
             for t, (lo, hi) in enumerate(row_shares(num_groups, bt.threads))])  # fmt: skip
 
     if by_group and bt.params.conflict_mask:

@@ -226,7 +226,6 @@ class GTPOTrajOutput(NamedTuple):
     response_mask: torch.Tensor  # [B, L] the mask the runs refer to
     h_ini: float | None  # <H>_ini used (measured on this batch with measure_h_ini)
     metrics: dict
-    returns: torch.Tensor | None = None  # [B, L] float32 equal to advantages (with_returns)
 
     def _runs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         valid = self.response_mask.bool()
@@ -293,7 +292,6 @@ def gtpo_traj_advantages(
     h_ini: float | None = None,
     *,
     measure_h_ini: bool = False,
-    with_returns: bool = False,
 ) -> GTPOTrajOutput:
     """Token-level GTPO-trajectory advantages (docs/ALGORITHMS.md §6.6), to be aggregated with ``seq-mean-token-mean``.
 
@@ -313,7 +311,6 @@ def gtpo_traj_advantages(
             ``measure_h_ini``).
         measure_h_ini: with the gate on and no ``h_ini``, take ``<H>_ini`` as this batch's mean over completions of
             ``<H>_i`` (the first batch of a run); the value used is returned as ``h_ini``.
-        with_returns: also return ``returns``, a second tensor equal to the advantages (verl's estimator contract).
 
     Returns:
         :class:`GTPOTrajOutput`; ``metrics`` holds python floats keyed ``gtpo_traj/...`` (``gtpo_traj/
@@ -334,16 +331,14 @@ def gtpo_traj_advantages(
     if kernel is not None:
         try:
             return kernel.gtpo_traj_kernel(
-                response_mask, responses, entropy, gid.cpu(), num_groups, params, adv, polarity, zero_var, h_ini,
-                with_returns,
-            )  # fmt: skip
+                response_mask, responses, entropy, gid.cpu(), num_groups, params, adv, polarity, zero_var, h_ini
+            )
         except kernel.CompileError as err:
             kernel_failed("trajectory_kernel", err)
     check_entropy_values(entropy, response_mask)
-    out = gtpo_traj_reference(
+    return gtpo_traj_reference(
         response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini
     )
-    return out._replace(returns=out.advantages.clone()) if with_returns else out
 
 
 @torch.no_grad()

@@ -133,7 +133,7 @@ def _row_sums(H, M, lo, hi, n, last, hsum):
 
 
 @njit(**JIT_OPTIONS)
-def _write(M, lo, hi, n, last, scale, lam_c, fwd, bwd, out, out2, both):
+def _write(M, lo, hi, n, last, scale, lam_c, fwd, bwd, out):
     """``adv_{i,t} = scale_i * lambda_{i,t}`` on the valid tokens of rows ``lo:hi`` (padding keeps its zeros)."""
     one = np.float32(1.0)
     for i in range(lo, hi):
@@ -152,34 +152,27 @@ def _write(M, lo, hi, n, last, scale, lam_c, fwd, bwd, out, out2, both):
             o[t] = (lc * (lc if t > lst - bwd[i] else one)) * a
         for t in range(max(lst + 1 - bwd[i], fwd[i]), lst + 1):
             o[t] = lc * a
-        if both:
-            o2 = out2[i]
-            for t in range(lst + 1):
-                o2[t] = o[t]
 
 
-def gtpo_traj_kernel(response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini,
-                     with_returns=False):  # fmt: skip
+def gtpo_traj_kernel(response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini):
     """GTPO-trajectory on CPU tensors after the group advantages (validated by the caller).
 
     Args:
         response_mask, responses, entropy: ``[B, L]``. gid: ``[B]`` int64; num_groups: ``NG``. params: resolved
         ``GTPOTrajParams``. adv, polarity, zero_var: ``centred_advantages`` of the scores. h_ini: ``<H>_ini`` or None
-        (measured on this batch when the gate needs it). with_returns: also write ``returns``.
+        (measured on this batch when the gate needs it).
 
     Returns:
         :class:`gtpo.algorithms.trajectory.GTPOTrajOutput`, as :func:`gtpo.algorithms.trajectory.gtpo_traj_reference`.
     """
     with compile_timer() as timer:
-        out = _gtpo_traj(response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini,
-                         with_returns)  # fmt: skip
+        out = _gtpo_traj(response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini)
     if timer.seconds > 0:
         out.metrics["gtpo_traj/kernel_compile_s"] = timer.seconds
     return out
 
 
-def _gtpo_traj(response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini,
-               with_returns):  # fmt: skip
+def _gtpo_traj(response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini):
     from gtpo.algorithms.trajectory import GTPOTrajOutput, check_entropy_values
 
     # float32 / float64 entropy is read as it is, other float types as float32
@@ -220,9 +213,7 @@ def _gtpo_traj(response_mask, responses, entropy, gid, num_groups, params, adv, 
     lam_c = np.where(pol == 0, np.float32(1.0), lam_c)
 
     out = zeroed_output(b, length)
-    out2 = zeroed_output(b, length) if with_returns else out
-    run_threads(_write, [(M, lo, hi, n, last, scale, lam_c, f_len, b_len, out.numpy(), out2.numpy(), with_returns)
-                         for lo, hi in shares])  # fmt: skip
+    run_threads(_write, [(M, lo, hi, n, last, scale, lam_c, f_len, b_len, out.numpy()) for lo, hi in shares])
 
     n_rows = max(int(valid_rows.sum()), 1)
     n_tok = max(float(n.sum()), 1.0)
@@ -258,5 +249,4 @@ def _gtpo_traj(response_mask, responses, entropy, gid, num_groups, params, adv, 
         response_mask=response_mask,
         h_ini=h_ini,
         metrics=metrics,
-        returns=out2 if with_returns else None,
     )

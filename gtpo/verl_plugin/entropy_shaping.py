@@ -12,8 +12,9 @@ responses=None, metrics=None, **kwargs) -> (advantages, returns)``. The sequence
 ``token_level_rewards.sum(-1)``; groups are read from ``index`` (uids), never from row positions. With
 ``algorithm.grop.enable`` the GROP penalty is computed here from the response lengths and correctness and added to
 the reward base of every response (it does not change which responses count as correct); callers must therefore pass
-unpenalised rewards (:data:`ESTIMATORS_APPLYING_GROP`). ``returns`` equals ``advantages``. Diagnostics go to
-``metrics`` as python floats under ``gtpo/...`` / ``grpo_s/...`` (GROP: ``grop/penalty_mean``,
+unpenalised rewards (:data:`ESTIMATORS_APPLYING_GROP`). ``returns`` is the advantages tensor itself, as verl's GRPO
+estimators return it (one ``[B, L]`` write instead of two; the recipe's trainer copies both into the batch).
+Diagnostics go to ``metrics`` as python floats under ``gtpo/...`` / ``grpo_s/...`` (GROP: ``grop/penalty_mean``,
 ``grop/penalised_frac``).
 """
 
@@ -156,11 +157,12 @@ def compute_gtpo_advantage(
     rewards, mask, gid, num_groups = _common_inputs("gtpo", token_level_rewards, response_mask, index, entropy)
     extra: dict[str, float] = {}
     offset = _grop_offset(config, rewards, mask, gid, num_groups, params.reward_threshold, extra)
-    adv, ret, diag = gtpo_token_advantages(
-        entropy, mask, rewards, gid, num_groups, params, reward_offset=offset, responses=responses, with_returns=True
+    adv, diag = gtpo_token_advantages(
+        entropy, mask, rewards, gid, num_groups, params, reward_offset=offset, responses=responses
     )
     _write_metrics(metrics, "gtpo", diag, extra)
-    return adv.to(token_level_rewards.dtype), ret.to(token_level_rewards.dtype)
+    adv = adv.to(token_level_rewards.dtype)
+    return adv, adv
 
 
 @register_adv_est("grpo_s")
@@ -183,11 +185,10 @@ def compute_grpo_s_advantage(
     rewards, mask, gid, num_groups = _common_inputs("grpo_s", token_level_rewards, response_mask, index, entropy)
     extra: dict[str, float] = {}
     offset = _grop_offset(config, rewards, mask, gid, num_groups, params.reward_threshold, extra)
-    adv, ret, diag = grpo_s_advantages(
-        entropy, mask, rewards, gid, num_groups, params, reward_offset=offset, with_returns=True
-    )
+    adv, diag = grpo_s_advantages(entropy, mask, rewards, gid, num_groups, params, reward_offset=offset)
     _write_metrics(metrics, "grpo_s", diag, extra)
-    return adv.to(token_level_rewards.dtype), ret.to(token_level_rewards.dtype)
+    adv = adv.to(token_level_rewards.dtype)
+    return adv, adv
 
 
 def _clip_bounds(config: Any) -> tuple[float, float]:

@@ -153,10 +153,10 @@ def compute_gtpo_traj_advantage(
         params=params,
         h_ini=h_ini,
         measure_h_ini=measure,
-        with_returns=True,
     )
     if measure:
         set_h_ini(out.h_ini)
     if metrics is not None:
         metrics.update(out.metrics)
-    return out.advantages.to(token_level_rewards.dtype), out.returns.to(token_level_rewards.dtype)
+    advantages = out.advantages.to(token_level_rewards.dtype)
+    return advantages, advantages  # the same tensor, as verl's GRPO estimators return it
