@@ -547,14 +547,15 @@ def _group_scopes(bt, c_batch, responses):
     by_group = c_batch is None
     c_batch = np.zeros((2, bt.length)) if by_group else c_batch
     per_group = np.zeros((num_groups, 3))  # conservation error, largest weight of each polarity
-    errs = [np.zeros(3, np.int64) for _ in range(bt.threads)]
+    shares = row_shares(num_groups, bt.threads)
+    errs = [np.zeros(3, np.int64) for _ in shares]
 
     def sweep(write):
         run_threads(_group_sweep, [
             (bt.H, bt.M, order, gptr, np.arange(lo, hi), bt.neg, bt.ebase, bt.base, bt.b0, bt.x0, bt.jit, c_batch,
              by_group, write, bt.n, bt.last, bt.hsum, errs[t], bt.mom, per_group, bt.g, bt.k, bt.fwd, bt.bwd, bt.lam,
              bt.out.numpy(), bt.rdiag)
-            for t, (lo, hi) in enumerate(row_shares(num_groups, bt.threads))])  # fmt: skip
+            for t, (lo, hi) in enumerate(shares)])  # fmt: skip
 
     if by_group and bt.params.conflict_mask:
         _mask_rows(bt.M, np.arange(b), bt.n, bt.last)  # the conflict runs need each row's last column first

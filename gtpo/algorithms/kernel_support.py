@@ -15,9 +15,10 @@ calls the kernel for CPU tensors and the definition otherwise. This module decid
 - :class:`compile_timer` measures the time spent compiling (or loading from the cache) during one call; the
   estimators report it as ``<estimator>/kernel_compile_s`` on the call that paid it (the trainer's first step).
 - Threads: a kernel runs on ``torch.get_num_threads()`` threads (1 inside a Ray actor, which gets
-  ``OMP_NUM_THREADS=1``), as plain Python threads each running a GIL-free (``nogil``) serial kernel on its share of
-  rows. numba's own threading layer (OpenMP / TBB / workqueue) is never started, so nothing competes with torch's
-  OpenMP pool, nothing stays alive between calls and nothing can deadlock across a fork.
+  ``OMP_NUM_THREADS=1``), as plain Python threads each running a GIL-free (``nogil``) serial kernel on the row
+  ranges it takes from a queue (four per thread). numba's own threading layer (OpenMP / TBB / workqueue) is never
+  started, so nothing competes with torch's OpenMP pool, nothing stays alive between calls and nothing can
+  deadlock across a fork.
 - Outputs: :func:`zeroed_output` allocates the ``[B, L]`` float32 outputs as fresh anonymous memory (zero-filled by
   the OS) advised for transparent huge pages: first touching 2 MB pages instead of 4 KB ones removes most of the
   page-fault time of writing a new ``[B, L]`` tensor, and the kernels never write the zeros of right padding.
@@ -141,17 +142,20 @@ def num_threads(rows: int) -> int:
     return max(1, min(torch.get_num_threads(), rows // 64))
 
 
-def row_shares(rows: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous ``[start, stop)`` ranges covering ``range(rows)`` (sizes differ by at most one)."""
+def row_shares(rows: int, threads: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` ranges covering ``range(rows)``: one for one thread, else four per thread, which
+    the threads take as they come free (a thread the OS deschedules does not hold back the others' rows)."""
+    parts = min(1 if threads <= 1 else 4 * threads, max(rows, 1))
     bounds = np.linspace(0, rows, parts + 1).round().astype(np.int64)
     return [(int(bounds[k]), int(bounds[k + 1])) for k in range(parts)]
 
 
 def run_threads(fn: Callable, jobs: Sequence[tuple]) -> list:
-    """``[fn(*job) for job in jobs]``, one thread per job when there are several (``fn`` releases the GIL)."""
-    if len(jobs) <= 1:
+    """``[fn(*job) for job in jobs]`` on up to ``torch.get_num_threads()`` threads (``fn`` releases the GIL)."""
+    workers = min(len(jobs), torch.get_num_threads())
+    if workers <= 1:
         return [fn(*job) for job in jobs]
-    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(lambda job: fn(*job), jobs))
 
 
