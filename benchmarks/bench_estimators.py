@@ -6,8 +6,7 @@ Cases (each called through the same entry point the trainer uses, diagnostics in
   ``compute_grpo_vectorized_outcome_advantage``
 * ``gtpo_zero_fill``        ``compute_gtpo_advantage`` with the recipe's defaults (paper A: ``norm_mode=zero_fill``,
   ``norm_scope=batch``, ``weight_scope=batch``)
-* ``gtpo_compiled``         the same with ``algorithm.gtpo.compiled_kernels=true`` (torch.compile kernels; the
-  warm-up call compiles)
+* ``gtpo_grop``             the same with ``algorithm.grop.enable=true`` (the ``gtpo`` preset: bases that vary)
 * ``gtpo_split`` / ``gtpo_joint``  the same with ``algorithm.gtpo.norm_mode`` split / joint (batch scopes)
 * ``grpo_s``                ``compute_grpo_s_advantage``
 * ``gtpo_traj``             ``compute_gtpo_traj_advantage`` (paper variant, conflict tokens + entropy filter)
@@ -20,11 +19,15 @@ rounded to bf16 (70 % near-deterministic tokens, 30 % forking-like), float32 ``r
 floor); token ids from a 151k vocabulary where the responses of a group share a prefix of 0-64 and a suffix of
 0-16 tokens (so conflict runs exist).
 
+The recipe's estimators run their numba CPU kernels; the warm-up call compiles them (or loads numba's disk cache).
 Every (case, size) runs in its own subprocess: ``time`` is the median over ``--repeats`` runs after one warm-up,
 ``peak MB`` the RSS high-water mark of the runs above the resident inputs (CPU; ``/proc/self/clear_refs`` reset
 after the inputs are built) or ``torch.cuda.max_memory_allocated`` above the inputs (CUDA). ``floor`` is the bytes
 the estimator must at least read and write (e.g. gtpo: rewards, mask, entropy in; advantages, returns out; all
 float32, token ids int64) over the copy bandwidth measured at the start of the same run.
+
+Sizes: paper A's scale (128 prompts x 16 = 2048 responses of up to 4096 tokens; 6144 with a longer budget) and DAPO's
+(512 x 16 = 8192 responses of up to 20480 tokens).
 
 Usage: .venv/bin/python benchmarks/bench_estimators.py [--quick] [--device cpu|cuda] [--sizes 2048x4096,...]
        [--cases gtpo_split,grpo_vec] [--repeats N] [--no-write]
@@ -48,7 +51,7 @@ from benchmarks import _common as C  # noqa: E402
 
 GROUP = 16
 FULL = (8192, 20480)
-DEFAULT_SIZES = [(256, 1024), (2048, 8192), FULL]
+DEFAULT_SIZES = [(2048, 4096), (2048, 6144), FULL]
 QUICK_SIZES = [(256, 1024), (1024, 4096)]
 
 # bytes per (row, position) that must move: float32 = 4, int64 ids = 8, bool mask out = 1
@@ -56,7 +59,7 @@ CASES = {
     "grpo": ("verl grpo (loop)", 16),  # rewards, mask in; advantages, returns out
     "grpo_vec": ("verl grpo_vectorized", 16),
     "gtpo_zero_fill": ("gtpo, defaults (zero_fill, batch scopes)", 20),  # + entropy in
-    "gtpo_compiled": ("gtpo, defaults, compiled_kernels=true", 20),
+    "gtpo_grop": ("gtpo, defaults + grop.enable=true", 20),
     "gtpo_split": ("gtpo, norm_mode=split", 20),
     "gtpo_joint": ("gtpo, norm_mode=joint", 20),
     "grpo_s": ("grpo_s", 20),
@@ -135,8 +138,10 @@ def make_call(case: str, inp: dict):
     if case.startswith("gtpo_") and case != "gtpo_traj":
         from gtpo.verl_plugin.entropy_shaping import compute_gtpo_advantage
 
-        knobs = {"compiled_kernels": True} if case == "gtpo_compiled" else {"norm_mode": case[len("gtpo_") :]}
-        cfg = OmegaConf.create({"gtpo": knobs})
+        if case == "gtpo_grop":
+            cfg = OmegaConf.create({"gtpo": {}, "grop": {"enable": True}})
+        else:
+            cfg = OmegaConf.create({"gtpo": {"norm_mode": case[len("gtpo_") :]}})
         return lambda: compute_gtpo_advantage(
             inp["tlr"], inp["mask"], inp["index"], cfg, entropy=inp["entropy"], metrics={}
         )

@@ -79,6 +79,9 @@ def test_gtpo_two_steps_then_resume(cluster, tiny_assets, tmp_path):
     # ... and so did the token ids (the conflict mask reads them).
     assert "gtpo/conflict_token_frac" in data
     assert {"gtpo/adv_pos_mean", "gtpo/adv_neg_mean", "gtpo/conservation_err"} <= set(data)
+    # The estimator's kernel compiled (or loaded from numba's disk cache) in the first step of this process, only then.
+    compile_s = {entry["step"]: entry["data"].get("gtpo/kernel_compile_s") for entry in first.metrics}
+    assert compile_s[1] is not None and compile_s[1] > 0 and compile_s[2] is None, compile_s
     assert (ckpt / "global_step_2").is_dir(), f"no checkpoint at step 2 in {ckpt}"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 

@@ -18,10 +18,8 @@ import torch
 from omegaconf import OmegaConf
 
 import gtpo.verl_plugin.entropy_shaping as plugin
-from gtpo.algorithms.entropy_shaping import GRPOSParams, GTPOParams
+from gtpo.algorithms.entropy_shaping import GRPOSParams, GTPOParams, grpo_s_advantages, gtpo_token_advantages
 from gtpo.algorithms.group_ops import group_ids
-from gtpo.algorithms.grpo_s import grpo_s_advantages
-from gtpo.algorithms.gtpo_token import gtpo_token_advantages
 from gtpo.algorithms.length_penalty import grop_penalty
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,9 +85,10 @@ def test_gtpo_estimator_equals_pure_function_and_writes_metrics():
     gid, ng = group_ids(uids)
     expected, diag = gtpo_token_advantages(ent, mask, tlr.sum(-1), gid, ng, GTPOParams(alpha2=0.2, norm_mode="joint"))
     torch.testing.assert_close(adv, expected)
-    assert torch.equal(ret, adv) and ret.data_ptr() != adv.data_ptr()
+    assert ret is adv  # returns = advantages, one tensor, as verl's GRPO estimators return them
     assert adv.dtype == tlr.dtype and torch.count_nonzero(adv[~mask.bool()]) == 0
-    assert set(metrics) == {f"gtpo/{k}" for k in diag}
+    # kernel_compile_s appears on the call that compiled (or loaded) the kernel in this process
+    assert set(metrics) - {"gtpo/kernel_compile_s"} == {f"gtpo/{k}" for k in diag if k != "kernel_compile_s"}
     assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
 
 
@@ -108,7 +107,7 @@ def test_grpo_s_estimator_equals_pure_function_and_writes_metrics():
     expected, diag = grpo_s_advantages(ent, mask, tlr.sum(-1), gid, ng, GRPOSParams(beta2=0.3))
     torch.testing.assert_close(adv, expected)
     assert torch.equal(ret, adv)
-    assert set(metrics) == {f"grpo_s/{k}" for k in diag}
+    assert set(metrics) - {"grpo_s/kernel_compile_s"} == {f"grpo_s/{k}" for k in diag if k != "kernel_compile_s"}
 
 
 def test_grpo_s_estimator_beta2_zero_is_verl_grpo():

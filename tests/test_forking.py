@@ -42,6 +42,17 @@ def test_ties_are_all_selected_and_order_free():
     assert torch.equal(mask_p, mask[:, perm])
 
 
+def test_k_is_guarded_against_float_rounding():
+    """``0.28 * 25`` is ``7.000000000000001`` in floating point: k = ceil(rho * n) must still be 7, so exactly 7 of
+    25 distinct entropies are selected (the 7 largest), not 8."""
+    assert 0.28 * 25 > 7
+    ent = torch.arange(25, dtype=torch.float32).reshape(5, 5) / 10
+    mask, tau = top_entropy_mask(ent, torch.ones(5, 5, dtype=torch.bool), rho=0.28)
+    assert int(mask.sum()) == 7
+    assert tau.item() == pytest.approx(1.8)  # the 7th largest of 0.0 .. 2.4
+    assert torch.equal(mask.flatten(), torch.arange(25) >= 18)
+
+
 def test_random_no_ties_selects_exactly_ceil_rho_n():
     g = torch.Generator().manual_seed(0)
     for _ in range(50):

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from gtpo.algorithms.entropy_shaping import GRPOSParams
+from gtpo.algorithms.entropy_shaping import GRPOSParams, grpo_s_advantages
 from gtpo.algorithms.group_ops import group_ids
-from gtpo.algorithms.grpo_s import grpo_s_advantages, grpo_s_sequence_rewards, sequence_entropy
+from gtpo.algorithms.grpo_s import grpo_s_sequence_rewards, sequence_entropy
 from gtpo.algorithms.losses import grpo_s_loss_matrix, sequence_ratio
 
 
@@ -455,3 +455,50 @@ def test_loss_matrix_bad_inputs():
         grpo_s_loss_matrix(old, old, old[:, :2], mask, 0.2, 0.28)
     with pytest.raises(ValueError, match="clip_low"):
         grpo_s_loss_matrix(old, old, old, mask, 1.2, 0.28)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the compiled kernel (gtpo/algorithms/grpo_s_kernel.py) against the definition (grpo_s.grpo_s_reference)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("norm_mode", ["joint", "zero_fill"])
+def test_kernel_matches_definition(seed, norm_mode):
+    from gtpo.algorithms.grpo_s import grpo_s_reference
+
+    lengths, rewards, groups = _random_groups(300 + seed, reward_kind="01" if seed % 2 else "pm1")
+    ent, mask, r, gid, ng = _batch(lengths, rewards, groups, seed=seed)
+    if seed >= 4:  # holes inside responses, and an integer mask
+        mask = (mask * (torch.rand(mask.shape, generator=torch.Generator().manual_seed(seed)) > 0.2)).long()
+    p = GRPOSParams(beta1=0.8, beta2=0.1 + 0.3 * seed, std="population" if seed == 3 else "unbiased",
+                    norm_mode=norm_mode)  # fmt: skip
+    offset = -0.5 * torch.rand(len(r), generator=torch.Generator().manual_seed(seed)) if seed % 3 else None
+    adv, diag = grpo_s_advantages(ent, mask, r, gid, ng, p, reward_offset=offset)
+    ref, ref_diag = grpo_s_reference(ent, mask, r, gid, ng, p, reward_offset=offset)
+    torch.testing.assert_close(adv, ref, rtol=1e-6, atol=1e-6)
+    assert set(diag) - {"kernel_compile_s"} == set(ref_diag)
+    for key, value in ref_diag.items():
+        assert diag[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+def test_slightly_negative_entropy_counts_as_zero_in_the_sequence_entropy():
+    """An entropy within neg_entropy_tol below 0 (low-precision rounding) enters Hbar as 0, not as itself."""
+    ent, mask, r, gid, ng = _batch([3, 3, 2, 4], [1, 1, -1, -1], ["g"] * 4, seed=7)
+    ent_neg, ent_zero = ent.clone(), ent.clone()
+    ent_neg[0, 1], ent_zero[0, 1] = -0.05, 0.0
+    a_neg, d_neg = grpo_s_advantages(ent_neg, mask, r, gid, ng)
+    a_zero, d_zero = grpo_s_advantages(ent_zero, mask, r, gid, ng)
+    assert torch.equal(a_neg, a_zero)
+    assert d_neg["seq_entropy_correct_mean"] == d_zero["seq_entropy_correct_mean"]
+
+
+def test_kernel_falls_back_to_the_definition(monkeypatch):
+    from gtpo.algorithms import kernel_support
+    from gtpo.algorithms.grpo_s import grpo_s_reference
+
+    monkeypatch.setattr(kernel_support, "_MODULES", {"grpo_s_kernel": None})
+    lengths, rewards, groups = _random_groups(9)
+    ent, mask, r, gid, ng = _batch(lengths, rewards, groups)
+    adv, _ = grpo_s_advantages(ent, mask, r, gid, ng)
+    ref, _ = grpo_s_reference(ent, mask, r, gid, ng)
+    assert torch.equal(adv, ref)

@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from gtpo.algorithms.entropy_shaping import GTPOParams
-from gtpo.algorithms.entropy_weights import active_counts, entropy_shares, gtpo_shaped_rewards
+from gtpo.algorithms.entropy_shaping import GTPOParams, gtpo_token_advantages
 from gtpo.algorithms.group_ops import group_ids
-from gtpo.algorithms.gtpo_token import gtpo_token_advantages
+from gtpo.algorithms.gtpo_token import active_counts, entropy_shares, gtpo_shaped_rewards
 
 # ---------------------------------------------------------------------------------------------------------------------
 # helpers
@@ -512,6 +511,12 @@ def test_all_zero_entropy():
     adv, diag = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset())
     assert torch.count_nonzero(adv) == 0
     assert abs(diag["conservation_err"] - 0.2) < 1e-9  # a2 * d_t = 0.1 * 2 lost on the positive side
+    # a zero advantage is neither positive nor negative
+    assert diag["frac_tokens_adv_pos"] == 0.0 and diag["frac_tokens_adv_neg"] == 0.0
+    assert diag["adv_pos_mean"] == 0.0 and diag["adv_neg_mean"] == 0.0 and diag["adv_abs_mean"] == 0.0
+    # zero_fill keeps the polarity signal: every correct token positive, every incorrect one negative (6 of 12 each)
+    adv, diag = gtpo_token_advantages(ent, mask, r, gid, ng)
+    assert diag["frac_tokens_adv_pos"] == 0.5 and diag["frac_tokens_adv_neg"] == 0.5
 
 
 def test_zero_variance_tolerance_needed_for_uniform_small_entropy():
@@ -666,7 +671,6 @@ def test_conflict_mask_needs_responses():
         ({"conflict_mask": 1}, "conflict_mask"),
         ({"conflict_lam_pos": -2.0}, "conflict_lam_pos"),
         ({"conflict_lam_neg": -0.5}, "conflict_lam_neg"),
-        ({"compiled_kernels": 1}, "compiled_kernels"),
     ],
 )
 def test_params_validation(kwargs, field):

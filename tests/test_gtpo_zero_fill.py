@@ -10,12 +10,9 @@ import math
 import pytest
 import torch
 
-from gtpo.algorithms import chunked_rows
-from gtpo.algorithms.entropy_shaping import GTPOParams
-from gtpo.algorithms.entropy_weights import gtpo_shaped_rewards
-from gtpo.algorithms.gtpo_token import gtpo_token_advantages
+from gtpo.algorithms.entropy_shaping import GTPOParams, gtpo_token_advantages
+from gtpo.algorithms.gtpo_token import gtpo_shaped_rewards, gtpo_token_reference
 from gtpo.algorithms.trajectory import conflict_weights
-from tests.gtpo_reference import gtpo_reference
 from tests.test_gtpo_token import _batch, _loop_reference, _random_batch
 
 
@@ -139,7 +136,7 @@ def test_diagnostics_in_every_mode(norm_mode, norm_scope, weight_scope):
     ent, mask, r, gid, ng = _random_batch(21)
     p = GTPOParams(norm_mode=norm_mode, norm_scope=norm_scope, weight_scope=weight_scope)
     adv, diag = gtpo_token_advantages(ent, mask, r, gid, ng, p)
-    _, ref_diag = gtpo_reference(ent, mask, r, gid, ng, p)
+    _, ref_diag = gtpo_token_reference(ent, mask, r, gid, ng, p)
     assert set(diag) == set(ref_diag)
     assert all(isinstance(v, float) and math.isfinite(v) for v in diag.values())
     assert abs(diag["weight_pos_mean"] - 1.0) < 1e-5 and abs(diag["weight_neg_mean"] - 1.0) < 1e-5
@@ -154,21 +151,20 @@ def test_diagnostics_in_every_mode(norm_mode, norm_scope, weight_scope):
 @pytest.mark.parametrize("norm_mode", ["zero_fill", "joint", "split"])
 @pytest.mark.parametrize("norm_scope", ["batch", "group"])
 @pytest.mark.parametrize("seed", range(12))
-def test_chunked_path_large_zero_var_rtol_and_negative_correct_base(monkeypatch, norm_mode, norm_scope, seed):
+def test_kernel_large_zero_var_rtol_and_negative_correct_base(norm_mode, norm_scope, seed):
     """A correct row whose base is negative (offset below -r) has shaped rewards of both signs: mean|x| needs them
     token by token, and a large ``zero_var_rtol`` makes the constant-set decision depend on it."""
-    monkeypatch.setattr(chunked_rows, "CPU_CHUNK_TOKENS", 32)
     gen = torch.Generator().manual_seed(seed)
     ent, mask, r, gid, ng = _random_batch(400 + seed, allow_empty=True)
     r = torch.where(r > 0, 0.3, -1.0)
     offset = torch.where(torch.rand(len(r), generator=gen) < 0.7, -1.0, 0.0)  # correct base 0.3 - 1 < 0
     p = GTPOParams(norm_mode=norm_mode, norm_scope=norm_scope, alpha2=1.0, zero_var_rtol=0.1 + 0.075 * seed)
     fast, _ = gtpo_token_advantages(ent, mask, r, gid, ng, p, reward_offset=offset)
-    ref, _ = gtpo_reference(ent, mask, r, gid, ng, p, reward_offset=offset)
+    ref, _ = gtpo_token_reference(ent, mask, r, gid, ng, p, reward_offset=offset)
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("scope", ["batch", "group"])  # closed-form path / chunked path
+@pytest.mark.parametrize("scope", ["batch", "group"])  # closed-form statistics / per-row statistics
 def test_constant_set_decision_uses_token_level_abs_for_mixed_sign_rows(scope):
     """rtol between std / mean|x| and std / (sum_rows |sum x| / n) of the correct set: the set is constant
     (advantage 0) only if mean|x| is taken token by token, as the rows' shaped rewards have both signs."""
@@ -188,7 +184,7 @@ def test_constant_set_decision_uses_token_level_abs_for_mixed_sign_rows(scope):
     assert std / abs_tok < rtol < std / abs_row < 1
     p = GTPOParams(norm_mode="split", alpha2=0.3, zero_var_rtol=rtol, norm_scope=scope, weight_scope=scope)
     fast, _ = gtpo_token_advantages(ent, mask, r, gid, ng, p, reward_offset=offset)
-    ref, _ = gtpo_reference(ent, mask, r, gid, ng, p, reward_offset=offset)
+    ref, _ = gtpo_token_reference(ent, mask, r, gid, ng, p, reward_offset=offset)
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
     assert torch.count_nonzero(fast[sel]) == 0
 
@@ -196,55 +192,13 @@ def test_constant_set_decision_uses_token_level_abs_for_mixed_sign_rows(scope):
 @pytest.mark.parametrize("scope", ["batch", "group"])
 def test_near_constant_set_is_measured_not_cancelled(scope):
     """Uniform entropy in an all-correct batch: the split set differs only by the eps guards (~a2*eps/H), so it is
-    constant under the default tolerance and only rounding-sized without it (both evaluation paths)."""
+    constant under the default tolerance and only rounding-sized without it (both statistics of the kernel)."""
     ent, mask, r, gid, ng = _batch([4, 2, 3, 1, 4], [1, 1, 1, 1, 1], list("aabbb"), L=4)
     ent = torch.where(mask.bool(), torch.full_like(ent, 0.01), ent)
     kw = dict(norm_mode="split", norm_scope=scope, weight_scope=scope)
     adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(**kw))
     assert torch.count_nonzero(adv) == 0
     raw, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(zero_var_rtol=0.0, **kw))
-    ref, _ = gtpo_reference(ent, mask, r, gid, ng, GTPOParams(zero_var_rtol=0.0, **kw))
+    ref, _ = gtpo_token_reference(ent, mask, r, gid, ng, GTPOParams(zero_var_rtol=0.0, **kw))
     assert raw.abs().max() > 0.1  # rounding-sized spreads turned into sizeable advantages without the tolerance
     torch.testing.assert_close(raw, ref, atol=2e-2, rtol=0)
-
-
-@pytest.mark.parametrize("norm_mode", ["zero_fill", "split"])
-def test_compiled_kernels_match_the_eager_path(monkeypatch, norm_mode):
-    """``compiled_kernels``: the torch.compile kernels of the batch-scope path against its eager evaluation (NaN
-    padding, clamped negative entropies, GROP-like varying bases, many chunks of uneven size, conflict weights)."""
-    monkeypatch.setattr(chunked_rows, "CPU_CHUNK_TOKENS", 40)
-    ent, mask, r, gid, ng = _random_batch(77, n_groups=7, L=9)
-    ent = torch.where(mask.bool() & (torch.rand(mask.shape, generator=torch.Generator().manual_seed(1)) < 0.05),
-                      torch.full_like(ent, -0.01), ent)  # fmt: skip
-    offset = torch.where(torch.arange(len(r)) % 3 == 0, -0.25, 0.0)
-    responses = torch.randint(0, 2, mask.shape, generator=torch.Generator().manual_seed(2)) * mask.long()
-    for conflict in (False, True):
-        kw = dict(norm_mode=norm_mode, conflict_mask=conflict)
-        eager, d_eager = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(**kw), offset, responses)
-        fused, d_fused = gtpo_token_advantages(
-            ent, mask, r, gid, ng, GTPOParams(compiled_kernels=True, **kw), offset, responses
-        )
-        torch.testing.assert_close(fused, eager, atol=1e-5, rtol=1e-5)
-        assert torch.count_nonzero(fused[~mask.bool()]) == 0
-        for key, value in d_eager.items():
-            assert d_fused[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
-    bad = ent.clone()
-    bad[mask.bool().nonzero()[5].tolist()] = float("nan")
-    with pytest.raises(ValueError, match="NaN"):
-        gtpo_token_advantages(bad, mask, r, gid, ng, GTPOParams(compiled_kernels=True))
-
-
-def test_compiled_kernels_fall_back_to_eager_when_compilation_fails(monkeypatch):
-    from gtpo.algorithms import gtpo_closed_form
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("no C++ compiler")
-
-    monkeypatch.setattr(gtpo_closed_form, "_COMPILED", {})
-    monkeypatch.setattr(gtpo_closed_form.torch, "compile", broken)
-    monkeypatch.setattr(chunked_rows, "CPU_CHUNK_TOKENS", 40)
-    ent, mask, r, gid, ng = _random_batch(78)
-    eager, _ = gtpo_token_advantages(ent, mask, r, gid, ng)
-    with pytest.warns(UserWarning, match="torch.compile failed"):
-        fused, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(compiled_kernels=True))
-    torch.testing.assert_close(fused, eager, atol=1e-6, rtol=1e-6)

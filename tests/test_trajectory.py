@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from gtpo.algorithms.conflict_tokens import conflict_counts, conflict_weights
-from gtpo.algorithms.trajectory import LN2, GTPOTrajParams, centred_advantages, gtpo_traj_advantages
-from gtpo.algorithms.trajectory_entropy import entropy_filter
+from gtpo.algorithms.trajectory import LN2, GTPOTrajParams, centred_advantages, entropy_filter, gtpo_traj_advantages
 
 A, B, C, D, X = 11, 12, 13, 14, 15
 
@@ -627,3 +626,78 @@ def test_adapter_row_order_invariance():
         responses=ids[perm],
     )
     torch.testing.assert_close(adv_p, adv[perm])
+
+
+# ------------------------------------------------------------------------- the compiled kernel vs the definition
+
+
+def _random_traj_batch(seed):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [rng.randint(1, 6) for _ in range(rng.randint(2, 6))]
+    gid = torch.tensor([g for g, s in enumerate(sizes) for _ in range(s)])
+    gid = gid[torch.randperm(len(gid), generator=gen)]
+    bsz, width = len(gid), rng.randint(3, 12)
+    lengths = torch.randint(0, width + 1, (bsz,), generator=gen)
+    mask = _mask(lengths, width)
+    if seed % 3 == 2:
+        mask = mask * (torch.rand(bsz, width, generator=gen) > 0.2).long()
+    ids = torch.randint(0, 2, (bsz, width), generator=gen)
+    ent = torch.where(mask.bool(), torch.rand(bsz, width, generator=gen) * 1.2, float("nan"))
+    scores = torch.randint(0, 2, (bsz,), generator=gen).float()
+    return scores, mask, ids, ent, gid, len(sizes)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("variant", ["paper", "code"])
+def test_kernel_matches_definition(seed, variant):
+    from gtpo.algorithms.trajectory import gtpo_traj_reference
+
+    scores, mask, ids, ent, gid, ng = _random_traj_batch(seed)
+    overrides = {"nconf_count": "union"} if seed % 2 else {"skip_zero_adv_groups": not (variant == "paper")}
+    params = GTPOTrajParams(variant=variant, tau=0.6 if seed % 4 else math.inf, lam_neg=0.5 * (seed % 3), **overrides)
+    h_ini = 0.5 if seed % 4 == 1 else None
+    out = gtpo_traj_advantages(scores, mask, ids, ent, gid, ng, params, h_ini, measure_h_ini=True)
+    adv, pol, zv = centred_advantages(scores, gid, ng, params.adv_norm, params.eps)
+    ref = gtpo_traj_reference(mask, ids, ent, gid, ng, params, adv, pol, zv, h_ini or out.h_ini)
+    torch.testing.assert_close(out.advantages, ref.advantages, rtol=1e-6, atol=1e-7)
+    for name in ("shaped_seq", "mean_entropy", "delta", "n_conf", "run_fwd", "run_bwd", "last", "lam", "is_conflict"):
+        torch.testing.assert_close(getattr(out, name), getattr(ref, name), msg=name)
+    assert out.h_ini == pytest.approx(ref.h_ini)
+    metrics = {k: v for k, v in out.metrics.items() if k != "gtpo_traj/kernel_compile_s"}
+    assert set(metrics) == set(ref.metrics)
+    for key, value in ref.metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+def test_kernel_conflict_runs_match_the_loop_reference():
+    """The kernel's conflict runs against the slow transcription of §6.2 (holes in the masks, unequal groups)."""
+    for trial in range(40):
+        scores, mask, ids, ent, gid, ng = _random_traj_batch(100 + trial)
+        params = _params(lam_pos=2.0, lam_neg=0.5)
+        out = gtpo_traj_advantages(scores, mask, ids, ent, gid, ng, params)
+        ref_lam, ref_conf = _slow_reference(ids, mask, gid, out.polarity, 2.0, 0.5)
+        assert torch.equal(out.is_conflict, ref_conf), trial
+        assert torch.allclose(out.lam, ref_lam), trial
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_nan_entropy_on_a_valid_token_raises(monkeypatch, kernel):
+    from gtpo.algorithms import kernel_support
+
+    if not kernel:  # numba missing: the definition runs, with the same check
+        monkeypatch.setattr(kernel_support, "_MODULES", {"trajectory_kernel": None})
+    ids, m, gid, scores = _example_batch()
+    ent = torch.where(m.bool(), torch.rand(m.shape), float("nan"))  # NaN padding is fine
+    gtpo_traj_advantages(scores, m, ids, ent, gid, 2, _params())
+    ent[2, 1] = float("nan")
+    with pytest.raises(ValueError, match="entropy holds NaN on 1 valid token"):
+        gtpo_traj_advantages(scores, m, ids, ent, gid, 2, _params())
+
+
+def test_ini_gate_without_h_ini_needs_a_measurement():
+    ids, m, gid, scores = _example_batch()
+    with pytest.raises(ValueError, match="h_ini=None"):
+        gtpo_traj_advantages(scores, m, ids, torch.rand(m.shape), gid, 2, GTPOTrajParams())
+    out = gtpo_traj_advantages(scores, m, ids, torch.full(m.shape, 0.25), gid, 2, GTPOTrajParams(), measure_h_ini=True)
+    assert out.h_ini == pytest.approx(0.25) and out.metrics["gtpo_traj/h_ini"] == pytest.approx(0.25)

@@ -32,13 +32,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["NCONF_COUNTS", "conflict_weights", "conflict_parts", "conflict_counts", "run_conflict_counts"]
+__all__ = [
+    "NCONF_COUNTS",
+    "check_conflict_inputs",
+    "conflict_weights",
+    "conflict_parts",
+    "conflict_counts",
+    "run_conflict_counts",
+]
 
 # How the 1/n_conf divisor counts a completion's conflict tokens (docs/ALGORITHMS.md §6.5).
 NCONF_COUNTS = ("official", "union")
 
 
-def _check_conflict_inputs(responses, response_mask, gid, num_groups, polarity) -> None:
+def check_conflict_inputs(responses, response_mask, gid, num_groups, polarity) -> None:
     if responses.dim() != 2:
         raise ValueError(f"responses must be [B, L], got shape {tuple(responses.shape)}")
     if response_mask.shape != responses.shape:
@@ -186,7 +193,7 @@ def conflict_parts(responses, response_mask, gid, num_groups, polarity, lam_pos,
     ``lam`` starts as the float mask and only the run positions are rescaled (a token in both runs twice), so
     the cost beyond one pass over the mask is proportional to the number of conflict tokens.
     """
-    _check_conflict_inputs(responses, response_mask, gid, num_groups, polarity)
+    check_conflict_inputs(responses, response_mask, gid, num_groups, polarity)
     if first_block < 1 or max_block < first_block:
         raise ValueError(f"first_block={first_block}, max_block={max_block}: need 1 <= first_block <= max_block")
     device = responses.device

@@ -1,4 +1,8 @@
-"""GRPO-S: sequence-level entropy-shaped advantages (Tan et al., arXiv 2508.04349, §2.3, Eq. 8, 9).
+"""GRPO-S's definition: sequence-level entropy-shaped advantages (Tan et al., arXiv 2508.04349, §2.3, Eq. 8, 9).
+
+Float64 torch, as the paper writes it: the documented definition, the oracle of the kernel's tests
+(:mod:`gtpo.algorithms.grpo_s_kernel`), and what :func:`gtpo.algorithms.entropy_shaping.grpo_s_advantages`
+evaluates where the kernel cannot run (tensors not on the CPU, numba missing or failing).
 
 - Eq. 8: sequence entropy ``Hbar_k = (1/|o_k|) sum_t H_{k,t}`` (masked mean of the old policy's token entropy).
 - Eq. 9 (with the eps guards of Remark 2.1)::
@@ -20,12 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from gtpo.algorithms.chunked_rows import broadcast_rows, masked_row_sums
-from gtpo.algorithms.entropy_shaping import GRPOSParams, shaping_bases, validate_with_params
+from gtpo.algorithms.entropy_shaping import GRPOSParams, shaping_bases
 from gtpo.algorithms.group_ops import group_mean_std, segment_sum
-from gtpo.algorithms.shaping_diagnostics import group_outcome_fracs, masked_mean
 
-__all__ = ["sequence_entropy", "grpo_s_sequence_rewards", "grpo_s_advantages"]
+__all__ = ["sequence_entropy", "grpo_s_sequence_rewards", "grpo_s_reference"]
 
 
 @torch.no_grad()
@@ -86,7 +88,7 @@ def grpo_s_sequence_rewards(
 
 
 @torch.no_grad()
-def grpo_s_advantages(
+def grpo_s_reference(
     entropy: torch.Tensor,
     response_mask: torch.Tensor,
     rewards: torch.Tensor,
@@ -95,47 +97,23 @@ def grpo_s_advantages(
     params: GRPOSParams | None = None,
     reward_offset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO-S advantages per group (§2.3), broadcast to the response's tokens.
+    """GRPO-S advantages (Eq. 8, 9, §2.3) broadcast to the tokens, and diagnostics (inputs already validated).
 
-    ``norm_mode="zero_fill"``: ``A^+_i = (r^+_i - mean_G(r^+)) / (std_G(r^+) + eps)`` with r^+ = 0 on the group's
-    incorrect responses (Eq. 9), ``A^-_j`` likewise; a correct response takes A^+, an incorrect one A^-.
-    ``"joint"``: ``A_i = (r^_i - mean_G(r^)) / (std_G(r^) + eps)`` over the signed shaped rewards.
-
-    Edge cases (docs/ALGORITHMS.md §4.3): an all-correct (all-wrong) group keeps a non-zero entropy-rank advantage
-    unless its ``Hbar`` are all equal (then 0, as GRPO); uniform ``Hbar`` or ``beta2 = 0`` give verl GRPO's
-    advantages (up to the ε in the std guard) for groups of two or more; a group with a single non-empty response
-    gets 0; zero-length responses are left out of ``n``, ``m``, the sums and the group statistics, and get 0;
-    ``Hbar = 0`` on the correct side gives weight 0, on the incorrect side the largest inverse weight (finite
-    through ε).
-
-    Args:
-        entropy: ``[B, L]`` old-policy token entropy. response_mask: ``[B, L]`` 0/1. rewards: ``[B]``.
-        gid: ``[B]`` int64 group ids; num_groups: ``NG``. params: :class:`GRPOSParams` (None: defaults).
-        reward_offset: optional ``[B]`` additive reward (GROP).
-
-    Returns:
-        ``(advantages [B, L] float32, zero on padding; diagnostics dict of python floats)``. Diagnostics keys:
-        ``seq_weight_pos_mean/max``, ``seq_weight_neg_mean/max``, ``adv_correct_mean``, ``adv_incorrect_mean``,
-        ``frac_seq_adv_pos``, ``frac_seq_adv_neg``, ``conservation_err``, ``frac_groups_all_correct``,
-        ``frac_groups_all_wrong``, ``seq_entropy_correct_mean``, ``seq_entropy_incorrect_mean``.
+    Same arguments, result and edge cases as :func:`gtpo.algorithms.entropy_shaping.grpo_s_advantages`.
     """
     params = params or GRPOSParams()
-    validate_with_params(params, entropy, response_mask, rewards, gid, num_groups, reward_offset, check_tokens=False)
     device = entropy.device
     mask = response_mask.to(device)
     gid = gid.to(device=device, dtype=torch.long)
     rewards = rewards.to(device)
     if reward_offset is not None:
         reward_offset = reward_offset.to(device)
-    # one chunked pass over [B, L]: token checks, masked entropy sums and lengths (= sequence_entropy)
-    hsum, lens = masked_row_sums(entropy, mask, params.neg_entropy_tol)
-    nonempty = lens > 0
+    nonempty = mask.bool().any(-1)
     correct = rewards.detach() > params.reward_threshold
-    hbar = hsum / lens.clamp(min=1)
+    hbar = sequence_entropy(entropy, mask)
     shaped = grpo_s_sequence_rewards(hbar, rewards, gid, num_groups, params, nonempty, reward_offset)
-
     adv_seq = _group_normalised(shaped, correct, nonempty, gid, num_groups, params)
-    adv = broadcast_rows(adv_seq, mask)
+    adv = adv_seq[:, None] * mask.bool().to(torch.float64)
 
     # diagnostics
     p, n_ = nonempty & correct, nonempty & ~correct
@@ -148,25 +126,32 @@ def grpo_s_advantages(
     w_neg = (b1 * base - shaped) / b2 if b2 > 0 else torch.zeros_like(shaped)
     err_pos = segment_sum(torch.where(p, shaped - b1 * base, zero), gid, num_groups) - b2 * n_pos
     err_neg = segment_sum(torch.where(n_, shaped - b1 * base, zero), gid, num_groups) + b2 * n_neg
-    all_pos, all_neg = group_outcome_fracs(correct, nonempty, gid, num_groups)
+    rows_per_group = segment_sum(nonempty.to(torch.float64), gid, num_groups)
+    live = rows_per_group > 0
+    n_live = max(int(live.sum()), 1)
     n_seq = max(int(nonempty.sum()), 1)
     diag = {
-        "seq_weight_pos_mean": masked_mean(w_pos, p),
+        "seq_weight_pos_mean": _masked_mean(w_pos, p),
         "seq_weight_pos_max": float(w_pos[p].max()) if bool(p.any()) else 0.0,
-        "seq_weight_neg_mean": masked_mean(w_neg, n_),
+        "seq_weight_neg_mean": _masked_mean(w_neg, n_),
         "seq_weight_neg_max": float(w_neg[n_].max()) if bool(n_.any()) else 0.0,
-        "adv_correct_mean": masked_mean(adv_seq, p),
-        "adv_incorrect_mean": masked_mean(adv_seq, n_),
-        "adv_abs_mean": masked_mean(adv_seq.abs(), nonempty),
+        "adv_correct_mean": _masked_mean(adv_seq, p),
+        "adv_incorrect_mean": _masked_mean(adv_seq, n_),
+        "adv_abs_mean": _masked_mean(adv_seq.abs(), nonempty),
         "frac_seq_adv_pos": float((nonempty & (adv_seq > 0)).sum()) / n_seq,
         "frac_seq_adv_neg": float((nonempty & (adv_seq < 0)).sum()) / n_seq,
         "conservation_err": float(torch.cat([err_pos.abs(), err_neg.abs()]).max()) if num_groups else 0.0,
-        "frac_groups_all_correct": all_pos,
-        "frac_groups_all_wrong": all_neg,
-        "seq_entropy_correct_mean": masked_mean(hbar, p),
-        "seq_entropy_incorrect_mean": masked_mean(hbar, n_),
+        "frac_groups_all_correct": float((live & (n_pos == rows_per_group)).sum()) / n_live,
+        "frac_groups_all_wrong": float((live & (n_pos == 0)).sum()) / n_live,
+        "seq_entropy_correct_mean": _masked_mean(hbar, p),
+        "seq_entropy_incorrect_mean": _masked_mean(hbar, n_),
     }
     return adv.to(torch.float32), diag
+
+
+def _masked_mean(x: torch.Tensor, sel: torch.Tensor) -> float:
+    n = int(sel.sum())
+    return float(torch.where(sel, x, 0.0).sum()) / n if n else 0.0
 
 
 def _group_normalised(shaped, correct, nonempty, gid, num_groups, params: GRPOSParams) -> torch.Tensor:

@@ -21,16 +21,21 @@ Implemented (one completion ``i`` of a group, verl's right-padded ``[B, L]`` lay
 - The two behaviours of §6.5 through ``GTPOTrajParams.variant`` (``paper`` default, ``code``), which only sets
   defaults; every knob can be overridden.
 
-The conflict weights live in ``gtpo.algorithms.conflict_tokens``, ``<H>_i`` and ``delta_i`` in
-``gtpo.algorithms.trajectory_entropy``; this module holds the knobs, the group advantage and the estimator.
+This module holds the knobs, the group advantage, the estimator :func:`gtpo_traj_advantages` (CPU tensors go to
+the compiled kernel, :mod:`gtpo.algorithms.trajectory_kernel`) and its definition :func:`gtpo_traj_reference` (torch,
+for other devices, for a missing or failing numba, and as the kernel's test oracle), whose conflict runs are
+:mod:`gtpo.algorithms.conflict_tokens`.
 
 Deliberate choices and deviations (all documented in the README's method section):
 
-1. Conflict detection (sort-based key membership, block scan; no ``[groups, G, G, L]`` tensor) and runs ended by
-   ``response_mask`` zeros, never a pad id: ``gtpo.algorithms.conflict_tokens``. ``n_conf`` is the union of the
+1. Conflict detection never builds the ``[groups, G, G, L]`` tensor of §6.6 (the kernel compares tokens position by
+   position and stops where every run has stopped; the definition uses sort-based key membership) and runs end at
+   ``response_mask`` zeros, never at a pad id. ``n_conf`` is the union of the
    two runs (``nconf_count="union"``, default under ``variant=paper``) or the official code's ``max(f, b)``
    (``"official"``, default under ``variant=code``); see that module and docs/ALGORITHMS.md §6.5.
-2. ``<H>_ini`` and the ini gate (on at ``<H>_ini == tau``): ``gtpo.algorithms.trajectory_entropy``.
+2. ``<H>_ini`` (the ini gate) is the mean over the first batch's completions of ``<H>_i`` (same scale as the
+   per-completion comparison); at ``<H>_ini == tau`` the filter is on. The gate compares ``<H>_ini`` with ``tau``
+   (``ln 2`` under ``variant=paper``), a single threshold for both cases of the paper's ``delta``.
 3. Polarity comes from the *unshaped* advantage sign (as in the official code). The centred advantage is computed
    in float64 and a group whose rewards are all equal gets exactly 0 (no rounding-noise polarity); a row whose
    centred reward is within ``1e-8`` of 0 is inactive.
@@ -43,6 +48,7 @@ Deliberate choices and deviations (all documented in the README's method section
    on-policy with ``ppo_epochs=1``).
 6. ``skip_zero_adv_groups`` zeroes the whole shaped advantage of a group whose rewards are all equal (the paper's
    "no update"); with it off (``variant=code``) such a group keeps ``-gamma <H>_i`` (the code's push-down).
+7. A NaN or inf entropy on a valid token raises (padding may hold anything); the official code would propagate it.
 """
 
 from __future__ import annotations
@@ -53,12 +59,27 @@ from typing import NamedTuple
 
 import torch
 
-from gtpo.algorithms.conflict_tokens import NCONF_COUNTS, conflict_parts, conflict_weights, run_conflict_counts
+from gtpo.algorithms.conflict_tokens import (
+    NCONF_COUNTS,
+    check_conflict_inputs,
+    conflict_parts,
+    conflict_weights,
+    run_conflict_counts,
+)
 from gtpo.algorithms.group_ops import group_mean_std, segment_sum
-from gtpo.algorithms.trajectory_entropy import entropy_filter, masked_row_sums
+from gtpo.algorithms.kernel_support import kernel_failed, load_kernel
 
 # conflict_weights stays importable from here for the GTPO-token conflict-mask option.
-__all__ = ["LN2", "GTPOTrajParams", "GTPOTrajOutput", "centred_advantages", "conflict_weights", "gtpo_traj_advantages"]
+__all__ = [
+    "LN2",
+    "GTPOTrajParams",
+    "GTPOTrajOutput",
+    "centred_advantages",
+    "conflict_weights",
+    "entropy_filter",
+    "gtpo_traj_advantages",
+    "gtpo_traj_reference",
+]
 
 LN2 = math.log(2.0)
 
@@ -185,7 +206,11 @@ def centred_advantages(
 
 
 class GTPOTrajOutput(NamedTuple):
-    """Result of :func:`gtpo_traj_advantages` (all tensors detached)."""
+    """Result of :func:`gtpo_traj_advantages` (all tensors detached).
+
+    The conflict weights are kept as run lengths (the first ``run_fwd`` and the last ``run_bwd`` valid columns of a
+    row, ending at column ``last``); :attr:`lam` and :attr:`is_conflict` expand them to ``[B, L]`` on request.
+    """
 
     advantages: torch.Tensor  # [B, L] float32, zero on padding
     adv_seq: torch.Tensor  # [B] float32, A_i (unshaped, after adv_norm)
@@ -193,10 +218,66 @@ class GTPOTrajOutput(NamedTuple):
     mean_entropy: torch.Tensor  # [B] float32, <H>_i
     delta: torch.Tensor  # [B] float32 in {0, 1}
     polarity: torch.Tensor  # [B] int8
-    lam: torch.Tensor  # [B, L] float32
-    is_conflict: torch.Tensor  # [B, L] bool
     n_conf: torch.Tensor  # [B] int64 divisor (>= 1)
+    run_fwd: torch.Tensor  # [B] int64 length of the leading conflict run
+    run_bwd: torch.Tensor  # [B] int64 length of the trailing conflict run
+    last: torch.Tensor  # [B] int64 last valid column (-1: empty row)
+    lam_c: torch.Tensor  # [B] float32 weight of the row's conflict tokens (lam_pos / lam_neg; 1 if inactive)
+    response_mask: torch.Tensor  # [B, L] the mask the runs refer to
+    h_ini: float | None  # <H>_ini used (measured on this batch with measure_h_ini)
     metrics: dict
+
+    def _runs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        valid = self.response_mask.bool()
+        cols = torch.arange(valid.shape[-1], device=valid.device)[None, :]
+        fwd = cols < self.run_fwd[:, None]
+        bwd = cols > (self.last - self.run_bwd)[:, None]
+        return valid, fwd & valid, bwd & valid
+
+    @property
+    def is_conflict(self) -> torch.Tensor:
+        """``[B, L]`` bool: tokens of the leading (forward) or trailing (backward, right-aligned) run."""
+        _, fwd, bwd = self._runs()
+        return fwd | bwd
+
+    @property
+    def lam(self) -> torch.Tensor:
+        """``[B, L]`` float32 ``lambda_fwd * lambda_bwd * m`` (``lam_c`` per run, ``lam_c ** 2`` in both)."""
+        valid, fwd, bwd = self._runs()
+        lam_c = self.lam_c[:, None]
+        one = torch.ones((), dtype=torch.float32, device=valid.device)
+        return valid.to(torch.float32) * torch.where(fwd, lam_c, one) * torch.where(bwd, lam_c, one)
+
+
+@torch.no_grad()
+def entropy_filter(mean_entropy: torch.Tensor, tau: float, use_ini_gate: bool, h_ini: float | None) -> torch.Tensor:
+    """``delta_i`` (§6.1 / §6.3): 1 keeps completion ``i``, 0 drops it.
+
+    Args:
+        mean_entropy: ``[B]`` ``<H>_i``.
+        tau: threshold (kept when ``<H>_i <= tau``; ``inf`` disables the filter).
+        use_ini_gate: the paper's 3-case ``delta``: filter only when ``<H>_ini <= tau``, else keep every completion.
+        h_ini: ``<H>_ini`` (required when ``use_ini_gate``). At ``<H>_ini == tau`` the filter is on.
+
+    Returns:
+        ``[B]`` float32 in {0, 1}.
+    """
+    if use_ini_gate:
+        if h_ini is None:
+            raise ValueError("h_ini=None: the ini gate needs the initial model's mean entropy")
+        if h_ini > tau:
+            return torch.ones_like(mean_entropy, dtype=torch.float32)
+    return (mean_entropy <= tau).to(torch.float32)
+
+
+def check_entropy_values(entropy: torch.Tensor, response_mask: torch.Tensor) -> None:
+    """Raise naming the count of NaN / inf entropies on valid tokens (padding may hold anything)."""
+    valid = response_mask.bool()
+    h = entropy.detach()
+    for name, bad in (("NaN", torch.isnan(h)), ("inf", torch.isinf(h))):
+        count = int((bad & valid).sum())
+        if count:
+            raise ValueError(f"entropy holds {name} on {count} valid token(s)")
 
 
 @torch.no_grad()
@@ -209,24 +290,31 @@ def gtpo_traj_advantages(
     num_groups: int,
     params: GTPOTrajParams,
     h_ini: float | None = None,
+    *,
+    measure_h_ini: bool = False,
 ) -> GTPOTrajOutput:
     """Token-level GTPO-trajectory advantages (docs/ALGORITHMS.md §6.6), to be aggregated with ``seq-mean-token-mean``.
 
     ``adv[i, t] = c_g * delta_i * (A_i - gamma <H>_i) * lambda_{i,t} / n_conf_i^{[divide_by_nconf]}``, where
     ``c_g`` is the group size under ``agg="code_sum"`` and 1 under ``"paper_mean"``; groups whose rewards are all
-    equal get 0 when ``skip_zero_adv_groups``.
+    equal get 0 when ``skip_zero_adv_groups``. CPU tensors go to the compiled kernel
+    (:mod:`gtpo.algorithms.trajectory_kernel`), others to :func:`gtpo_traj_reference`, the definition.
 
     Args:
         scores: ``[B]`` sequence rewards.
         response_mask: ``[B, L]`` 0/1.
-        responses: ``[B, L]`` int64 token ids.
-        entropy: ``[B, L]`` per-token entropy (detached; old or current policy).
+        responses: ``[B, L]`` integer token ids.
+        entropy: ``[B, L]`` per-token entropy (detached; old or current policy); NaN / inf on a valid token raise.
         gid: ``[B]`` int64 group ids; num_groups: ``NG``.
         params: resolved :class:`GTPOTrajParams`.
-        h_ini: ``<H>_ini`` used by the ini gate (overrides ``params.h_ini``; required when the gate is on).
+        h_ini: ``<H>_ini`` used by the ini gate (overrides ``params.h_ini``; required when the gate is on, unless
+            ``measure_h_ini``).
+        measure_h_ini: with the gate on and no ``h_ini``, take ``<H>_ini`` as this batch's mean over completions of
+            ``<H>_i`` (the first batch of a run); the value used is returned as ``h_ini``.
 
     Returns:
-        :class:`GTPOTrajOutput`; ``metrics`` holds python floats keyed ``gtpo_traj/...``.
+        :class:`GTPOTrajOutput`; ``metrics`` holds python floats keyed ``gtpo_traj/...`` (``gtpo_traj/
+        kernel_compile_s`` on the call that compiled the kernel).
     """
     if entropy.shape != response_mask.shape:
         raise ValueError(f"entropy shape {tuple(entropy.shape)} != response_mask shape {tuple(response_mask.shape)}")
@@ -234,33 +322,81 @@ def gtpo_traj_advantages(
         raise ValueError(f"scores must be [B]={response_mask.shape[0]}, got {tuple(scores.shape)}")
     if h_ini is None:
         h_ini = params.h_ini
-
+    if params.use_ini_gate and h_ini is None and not measure_h_ini:
+        raise ValueError("h_ini=None: the ini gate needs the initial model's mean entropy")
     adv, polarity, zero_var = centred_advantages(scores, gid, num_groups, params.adv_norm, params.eps)
-    lam, is_conflict, f_len, b_len, last = conflict_parts(
+    check_conflict_inputs(responses, response_mask, gid, num_groups, polarity)
+    on_cpu = all(t.device.type == "cpu" for t in (response_mask, responses, entropy))
+    kernel = load_kernel("trajectory_kernel") if on_cpu else None
+    if kernel is not None:
+        try:
+            return kernel.gtpo_traj_kernel(
+                response_mask, responses, entropy, gid.cpu(), num_groups, params, adv, polarity, zero_var, h_ini
+            )
+        except kernel.CompileError as err:
+            kernel_failed("trajectory_kernel", err)
+    check_entropy_values(entropy, response_mask)
+    return gtpo_traj_reference(
+        response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini
+    )
+
+
+@torch.no_grad()
+def gtpo_traj_reference(response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini):
+    """The definition of :func:`gtpo_traj_advantages` in torch, after the group advantages (inputs validated).
+
+    Args:
+        response_mask, responses, entropy: ``[B, L]``. gid: ``[B]``; num_groups: ``NG``. params: resolved.
+        adv, polarity, zero_var: :func:`centred_advantages` of the scores. h_ini: ``<H>_ini`` or None (measured
+            here when the gate needs it).
+    """
+    device = response_mask.device
+    lam_c = torch.where(polarity > 0, params.lam_pos, params.lam_neg).to(torch.float32)
+    lam_c = torch.where(polarity == 0, torch.ones_like(lam_c), lam_c).to(device)
+    _, _, f_len, b_len, last = conflict_parts(
         responses, response_mask, gid, num_groups, polarity, params.lam_pos, params.lam_neg, 32, 4096
     )
     n_conf, n_conflict, overlap = run_conflict_counts(f_len, b_len, last, polarity, params.nconf_count)
-    h_sum, n_valid = masked_row_sums(entropy, response_mask)
+    valid = response_mask.to(device).bool()
+    h_sum = torch.where(valid, entropy.detach().to(torch.float64), 0.0).sum(-1)
+    n_valid = valid.sum(-1).to(torch.float64)
     h_bar = (h_sum / n_valid.clamp(min=1)).to(torch.float32)
+    valid_rows = n_valid > 0
+    if params.use_ini_gate and h_ini is None:
+        h_ini = float(h_bar[valid_rows].mean()) if bool(valid_rows.any()) else 0.0
     delta = entropy_filter(h_bar, params.tau, params.use_ini_gate, h_ini)
 
-    shaped = delta * (adv - params.gamma * h_bar)
+    shaped = delta * (adv.to(device) - params.gamma * h_bar)
     if params.skip_zero_adv_groups:
-        shaped = torch.where(zero_var, torch.zeros_like(shaped), shaped)
+        shaped = torch.where(zero_var.to(device), torch.zeros_like(shaped), shaped)
     if params.agg == "code_sum":
-        group_size = segment_sum(torch.ones_like(shaped), gid, num_groups)
-        shaped = shaped * group_size[gid]
+        group_size = segment_sum(torch.ones_like(shaped), gid.to(device), num_groups)
+        shaped = shaped * group_size[gid.to(device)]
     row_scale = shaped / n_conf.to(torch.float32) if params.divide_by_nconf else shaped
-    # lam is already 0 on padding: one pass writes the token advantages
-    token_adv = lam * row_scale[:, None]
+    out = GTPOTrajOutput(
+        advantages=torch.zeros(valid.shape, dtype=torch.float32, device=device),
+        adv_seq=adv,
+        shaped_seq=shaped,
+        mean_entropy=h_bar,
+        delta=delta,
+        polarity=polarity,
+        n_conf=n_conf,
+        run_fwd=f_len,
+        run_bwd=b_len,
+        last=last,
+        lam_c=lam_c,
+        response_mask=response_mask,
+        h_ini=h_ini,
+        metrics={},
+    )
+    # lam is already 0 on padding: one product writes the token advantages
+    out = out._replace(advantages=out.lam * row_scale[:, None])
 
-    valid_rows = n_valid > 0
     n_rows = max(int(valid_rows.sum()), 1)
     n_tok = max(float(n_valid.sum()), 1.0)
     active = polarity != 0
     # sum_t lam per row: lam_c on single-run tokens, lam_c**2 on tokens of both runs, 1 elsewhere
-    lam_c = torch.where(polarity > 0, params.lam_pos, params.lam_neg).to(torch.float64)
-    lam_row = n_valid - n_conflict + lam_c * (n_conflict - overlap) + lam_c * lam_c * overlap
+    lam_row = n_valid - n_conflict + lam_c.to(torch.float64) * (n_conflict - overlap) + lam_c.double() ** 2 * overlap
     ncf = n_conflict.to(torch.float64)
     metrics = {
         "gtpo_traj/conflict_token_frac": float(ncf.sum()) / n_tok,
@@ -277,15 +413,4 @@ def gtpo_traj_advantages(
     }
     if h_ini is not None:
         metrics["gtpo_traj/h_ini"] = float(h_ini)
-    return GTPOTrajOutput(
-        advantages=token_adv,
-        adv_seq=adv,
-        shaped_seq=shaped,
-        mean_entropy=h_bar,
-        delta=delta,
-        polarity=polarity,
-        lam=lam,
-        is_conflict=is_conflict,
-        n_conf=n_conf,
-        metrics=metrics,
-    )
+    return out._replace(metrics=metrics)

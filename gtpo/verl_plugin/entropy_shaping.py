@@ -12,8 +12,9 @@ responses=None, metrics=None, **kwargs) -> (advantages, returns)``. The sequence
 ``token_level_rewards.sum(-1)``; groups are read from ``index`` (uids), never from row positions. With
 ``algorithm.grop.enable`` the GROP penalty is computed here from the response lengths and correctness and added to
 the reward base of every response (it does not change which responses count as correct); callers must therefore pass
-unpenalised rewards (:data:`ESTIMATORS_APPLYING_GROP`). ``returns`` equals ``advantages``. Diagnostics go to
-``metrics`` as python floats under ``gtpo/...`` / ``grpo_s/...`` (GROP: ``grop/penalty_mean``,
+unpenalised rewards (:data:`ESTIMATORS_APPLYING_GROP`). ``returns`` is the advantages tensor itself, as verl's GRPO
+estimators return it (one ``[B, L]`` write instead of two; the recipe's trainer copies both into the batch).
+Diagnostics go to ``metrics`` as python floats under ``gtpo/...`` / ``grpo_s/...`` (GROP: ``grop/penalty_mean``,
 ``grop/penalised_frac``).
 """
 
@@ -25,10 +26,8 @@ import numpy as np
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_policy_loss
 
-from gtpo.algorithms.entropy_shaping import GRPOSParams, GTPOParams
+from gtpo.algorithms.entropy_shaping import GRPOSParams, GTPOParams, grpo_s_advantages, gtpo_token_advantages
 from gtpo.algorithms.group_ops import group_ids
-from gtpo.algorithms.grpo_s import grpo_s_advantages
-from gtpo.algorithms.gtpo_token import gtpo_token_advantages
 from gtpo.algorithms.length_penalty import GROPParams, grop_penalty
 from gtpo.algorithms.losses import grpo_s_loss_matrix
 from gtpo.verl_plugin.config import load_knobs
@@ -161,9 +160,9 @@ def compute_gtpo_advantage(
     adv, diag = gtpo_token_advantages(
         entropy, mask, rewards, gid, num_groups, params, reward_offset=offset, responses=responses
     )
-    adv = adv.to(token_level_rewards.dtype)
     _write_metrics(metrics, "gtpo", diag, extra)
-    return adv, adv.clone()
+    adv = adv.to(token_level_rewards.dtype)
+    return adv, adv
 
 
 @register_adv_est("grpo_s")
@@ -187,9 +186,9 @@ def compute_grpo_s_advantage(
     extra: dict[str, float] = {}
     offset = _grop_offset(config, rewards, mask, gid, num_groups, params.reward_threshold, extra)
     adv, diag = grpo_s_advantages(entropy, mask, rewards, gid, num_groups, params, reward_offset=offset)
-    adv = adv.to(token_level_rewards.dtype)
     _write_metrics(metrics, "grpo_s", diag, extra)
-    return adv, adv.clone()
+    adv = adv.to(token_level_rewards.dtype)
+    return adv, adv
 
 
 def _clip_bounds(config: Any) -> tuple[float, float]:

@@ -36,7 +36,6 @@ import torch
 
 from gtpo.algorithms.group_ops import group_ids
 from gtpo.algorithms.trajectory import GTPOTrajParams, gtpo_traj_advantages
-from gtpo.algorithms.trajectory_entropy import masked_mean_entropy, masked_row_sums
 from gtpo.verl_plugin.config import load_knobs
 
 __all__ = ["compute_gtpo_traj_advantage", "current_h_ini", "reset_h_ini", "set_h_ini", "load_params"]
@@ -126,11 +125,11 @@ def compute_gtpo_traj_advantage(
     mask = response_mask.to(device)
     gid, num_groups = group_ids(index)
     gid = gid.to(device)
-    # row sums of rewards * mask in row chunks (no [B, L] temporary)
-    scores = masked_row_sums(token_level_rewards, mask)[0].to(token_level_rewards.dtype)
-    ent = entropy.to(device=device, dtype=torch.float32).detach()
+    # the sequence reward, as verl's GRPO takes it (verl's token-level rewards are 0 off the response)
+    scores = token_level_rewards.detach().sum(-1)
 
     h_ini = params.h_ini
+    measure = False
     if params.use_ini_gate and h_ini is None:
         h_ini = current_h_ini()
         if h_ini is None:
@@ -142,22 +141,22 @@ def compute_gtpo_traj_advantage(
                     "set algorithm.gtpo_traj.h_ini to the gtpo_traj/h_ini value logged at step 1 "
                     "(or use_ini_gate=false)"
                 )
-            valid_rows = mask.sum(-1) > 0
-            h_bar = masked_mean_entropy(ent, mask)
-            h_ini = float(h_bar[valid_rows].mean()) if bool(valid_rows.any()) else 0.0
-            set_h_ini(h_ini)
+            measure = True
 
     out = gtpo_traj_advantages(
         scores=scores,
         response_mask=mask,
         responses=responses.to(device),
-        entropy=ent,
+        entropy=entropy.to(device).detach(),
         gid=gid,
         num_groups=num_groups,
         params=params,
         h_ini=h_ini,
+        measure_h_ini=measure,
     )
+    if measure:
+        set_h_ini(out.h_ini)
     if metrics is not None:
         metrics.update(out.metrics)
     advantages = out.advantages.to(token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return advantages, advantages  # the same tensor, as verl's GRPO estimators return it

@@ -1,0 +1,186 @@
+"""What the estimators' compiled CPU kernels share: loading them, the fallback, threads, compile time, outputs.
+
+Not an equation module. Each estimator has one numba kernel (``gtpo_token_kernel``, ``grpo_s_kernel``,
+``trajectory_kernel``) beside its float64 torch definition (``gtpo_token``, ``grpo_s``, ``trajectory``); the estimator
+calls the kernel for CPU tensors and the definition otherwise. This module decides which:
+
+- :func:`load_kernel` imports a kernel module on first use (so a process that never computes advantages, e.g. a
+  Ray actor worker that only registers the plugin, never imports numba). If numba is missing or the module fails to
+  import, it warns once and returns None; the estimator then evaluates its definition. A kernel that fails to compile
+  is reported through :func:`kernel_failed` the same way.
+- Compiled code is cached on disk (numba ``cache=True``): next to the module when the package directory is writable,
+  else numba's user-wide cache (``~/.cache/numba``); when neither is writable (a read-only image with a read-only
+  home), ``NUMBA_CACHE_DIR`` is pointed at a per-user folder under the temp directory. An explicit
+  ``NUMBA_CACHE_DIR`` always wins.
+- :class:`compile_timer` measures the time spent compiling (or loading from the cache) during one call; the
+  estimators report it as ``<estimator>/kernel_compile_s`` on the call that paid it (the trainer's first step).
+- Threads: a kernel runs on ``torch.get_num_threads()`` threads (1 inside a Ray actor, which gets
+  ``OMP_NUM_THREADS=1``), as plain Python threads each running a GIL-free (``nogil``) serial kernel on the row
+  ranges it takes from a queue (four per thread). numba's own threading layer (OpenMP / TBB / workqueue) is never
+  started, so nothing competes with torch's OpenMP pool, nothing stays alive between calls and nothing can
+  deadlock across a fork.
+- Outputs: :func:`zeroed_output` allocates the ``[B, L]`` float32 outputs as fresh anonymous memory (zero-filled by
+  the OS) advised for transparent huge pages: first touching 2 MB pages instead of 4 KB ones removes most of the
+  page-fault time of writing a new ``[B, L]`` tensor, and the kernels never write the zeros of right padding.
+"""
+
+from __future__ import annotations
+
+import importlib
+import mmap
+import os
+import tempfile
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
+
+import numpy as np
+import torch
+
+__all__ = ["load_kernel", "kernel_failed", "compile_timer", "num_threads", "run_threads", "row_shares",
+           "zeroed_output", "as_numpy_mask", "JIT_OPTIONS"]  # fmt: skip
+
+# Options of every njit kernel: cached on disk, GIL released, numpy's error model (no Python division-by-zero check,
+# which would stop LLVM from vectorising the loops) and the fast-math flags that allow reordering sums; never
+# 'nnan' / 'ninf', so NaN and inf entropies still propagate into the row sums that detect them.
+JIT_OPTIONS = {
+    "cache": True,
+    "nogil": True,
+    "error_model": "numpy",
+    "fastmath": {"reassoc", "contract", "arcp", "nsz"},
+}
+
+# Outputs smaller than this come from torch.empty (and are zeroed there); larger ones from huge-page-advised memory.
+_HUGE_OUTPUT_BYTES = 8 << 20
+
+_MODULES: dict[str, ModuleType | None] = {}
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _writable(path: str) -> bool:
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+        return True
+    except OSError:
+        return False
+
+
+def _ensure_cache_dir() -> None:
+    """Point numba's cache at a writable folder when neither the package nor the user cache can take it."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__pycache__")
+    user = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "numba")
+    if _writable(here) or _writable(user):
+        return
+    fallback = os.path.join(tempfile.gettempdir(), f"gtpo-numba-cache-{os.getuid()}")
+    os.environ["NUMBA_CACHE_DIR"] = fallback
+    try:  # numba may already have been imported (vLLM imports it): its config is read again by the cache locator
+        import numba
+
+        numba.config.CACHE_DIR = fallback
+    except ImportError:
+        pass
+
+
+def load_kernel(name: str) -> ModuleType | None:
+    """The kernel module ``gtpo.algorithms.<name>`` (imported once), or None after a warning when it cannot load."""
+    if name not in _MODULES:
+        try:
+            _ensure_cache_dir()
+            _MODULES[name] = importlib.import_module(f"gtpo.algorithms.{name}")
+        except Exception as err:  # noqa: BLE001 - numba missing or broken: the definition takes over
+            _MODULES[name] = None
+            _warn_once(
+                name,
+                f"{name}: compiled kernel unavailable ({type(err).__name__}: {err}); evaluating the float64 torch "
+                "definition instead (slower, more memory)",
+            )
+    return _MODULES[name]
+
+
+def kernel_failed(name: str, err: BaseException) -> None:
+    """Disable the kernel ``name`` for this process after it failed to compile (a warning once)."""
+    _MODULES[name] = None
+    _warn_once(
+        name,
+        f"{name}: compiled kernel failed ({type(err).__name__}: {err}); evaluating the float64 torch definition "
+        "instead (slower, more memory)",
+    )
+
+
+class compile_timer:  # noqa: N801 - used as a context manager, like numba's own timers
+    """Seconds spent in numba's compiler (compiling or loading from the disk cache) while the context is open."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __enter__(self) -> compile_timer:
+        from numba.core import event
+
+        def record(seconds: float) -> None:
+            self.seconds = float(seconds)
+
+        self._ctx = event.install_timer("numba:compiler_lock", record)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+
+
+def num_threads(rows: int) -> int:
+    """Threads for a kernel over ``rows`` rows: torch's intra-op thread count, at most one per 64 rows."""
+    return max(1, min(torch.get_num_threads(), rows // 64))
+
+
+def row_shares(rows: int, threads: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` ranges covering ``range(rows)``: one for one thread, else four per thread, which
+    the threads take as they come free (a thread the OS deschedules does not hold back the others' rows)."""
+    parts = min(1 if threads <= 1 else 4 * threads, max(rows, 1))
+    bounds = np.linspace(0, rows, parts + 1).round().astype(np.int64)
+    return [(int(bounds[k]), int(bounds[k + 1])) for k in range(parts)]
+
+
+def run_threads(fn: Callable, jobs: Sequence[tuple]) -> list:
+    """``[fn(*job) for job in jobs]`` on up to ``torch.get_num_threads()`` threads (``fn`` releases the GIL)."""
+    workers = min(len(jobs), torch.get_num_threads())
+    if workers <= 1:
+        return [fn(*job) for job in jobs]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda job: fn(*job), jobs))
+
+
+def zeroed_output(rows: int, cols: int) -> torch.Tensor:
+    """A ``[rows, cols]`` float32 CPU tensor of zeros for a kernel to write (it may leave padding untouched).
+
+    Large outputs are anonymous private mappings (zero pages until written) advised for transparent huge pages;
+    small ones come from ``torch.zeros``.
+    """
+    nbytes = rows * cols * 4
+    if nbytes < _HUGE_OUTPUT_BYTES:
+        return torch.zeros((rows, cols), dtype=torch.float32)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # no THP support: ordinary pages
+        pass
+    return torch.from_numpy(np.frombuffer(buf, dtype=np.float32).reshape(rows, cols))
+
+
+def as_numpy_mask(mask: torch.Tensor) -> np.ndarray:
+    """The mask as a C-contiguous numpy view: bool as uint8, integer and float32 / float64 as they are."""
+    mask = mask.detach()
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    elif mask.dtype in (torch.float16, torch.bfloat16):
+        mask = mask.to(torch.float32)
+    return mask.contiguous().numpy()

@@ -1,0 +1,250 @@
+"""GTPO-token's compiled kernel (gtpo/algorithms/gtpo_token_kernel.py) against its definition (gtpo_token.py).
+
+    .venv/bin/python -m pytest -q tests/test_gtpo_kernel.py
+
+Every mode and scope, conflict weights, GROP-like offsets with alpha1 != 1, masks with holes, every mask dtype,
+threads, the huge-page outputs, the fallback to the definition and the compile-time diagnostic.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from gtpo.algorithms import kernel_support
+from gtpo.algorithms.entropy_shaping import GTPOParams, gtpo_token_advantages
+from gtpo.algorithms.gtpo_token import gtpo_shaped_rewards, gtpo_token_reference
+from tests.conftest import REPO_ROOT
+
+
+def random_batch(seed: int, groups: int = 7, length: int = 23, holes: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 7, (groups,), generator=gen)
+    gid = torch.repeat_interleave(torch.arange(groups), sizes)
+    gid = gid[torch.randperm(gid.numel(), generator=gen)]  # rows in any order
+    rows = gid.numel()
+    lengths = torch.randint(0, length + 1, (rows,), generator=gen)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).float()
+    if holes:  # zeros inside responses (multi-turn tool tokens)
+        mask = mask * (torch.rand(rows, length, generator=gen) > 0.15)
+    entropy = torch.rand(rows, length, generator=gen) * 4 + 0.05
+    entropy = torch.where(mask.bool(), entropy, torch.full_like(entropy, float("nan")))  # padding is never read
+    rewards = torch.where(torch.rand(rows, generator=gen) < 0.5, 1.0, -1.0)
+    responses = torch.randint(0, 3, (rows, length), generator=gen)
+    offset = -0.5 * torch.rand(rows, generator=gen)  # GROP-like: bases that vary inside each polarity
+    return entropy, mask, rewards, gid, groups, responses, offset
+
+
+def assert_same(kernel, definition, diag_keys=None):
+    (adv, diag), (ref, ref_diag) = kernel, definition
+    torch.testing.assert_close(adv, ref, rtol=1e-5, atol=1e-6)
+    diag, ref_diag = ({k: v for k, v in d.items() if k != "kernel_compile_s"} for d in (diag, ref_diag))
+    assert set(diag) == set(ref_diag)
+    for key in diag_keys or ref_diag:
+        assert diag[key] == pytest.approx(ref_diag[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("norm_mode", ["zero_fill", "split", "joint"])
+@pytest.mark.parametrize("norm_scope", ["batch", "group"])
+@pytest.mark.parametrize("weight_scope", ["batch", "group"])
+@pytest.mark.parametrize("conflict_mask", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_kernel_matches_definition(norm_mode, norm_scope, weight_scope, conflict_mask, seed):
+    entropy, mask, rewards, gid, groups, responses, offset = random_batch(seed, holes=seed == 2)
+    params = GTPOParams(
+        alpha1=0.7, alpha2=0.1 + 0.2 * seed, norm_mode=norm_mode, norm_scope=norm_scope, weight_scope=weight_scope,
+        conflict_mask=conflict_mask, std="population" if seed == 1 else "unbiased",
+    )  # fmt: skip
+    offset = offset if seed != 1 else None
+    kernel = gtpo_token_advantages(entropy, mask, rewards, gid, groups, params, offset, responses)
+    definition = gtpo_token_reference(entropy, mask, rewards, gid, groups, params, offset, responses)
+    assert_same(kernel, definition)
+    assert torch.count_nonzero(kernel[0] * (1 - mask)) == 0
+
+
+def test_base_term_carries_alpha1_with_varying_offsets():
+    """The default path (zero_fill, batch scopes) with alpha1 != 1 and bases that vary inside each polarity: the
+    per-row base term a1 * (b_i - b0) enters the sums and the advantages with its a1 factor."""
+    entropy, mask, rewards, gid, groups, _, offset = random_batch(11, groups=9, length=17)
+    for alpha1 in (0.5, 2.0):
+        params = GTPOParams(alpha1=alpha1, alpha2=0.3)
+        adv, diag = gtpo_token_advantages(entropy, mask, rewards, gid, groups, params, offset)
+        ref, ref_diag = gtpo_token_reference(entropy, mask, rewards, gid, groups, params, offset)
+        torch.testing.assert_close(adv, ref, rtol=1e-5, atol=1e-6)
+        assert diag["shaped_correct_mean"] == pytest.approx(ref_diag["shaped_correct_mean"], rel=1e-9)
+    # and the offsets matter: the same batch without them gives other advantages
+    plain, _ = gtpo_token_advantages(entropy, mask, rewards, gid, groups, GTPOParams(alpha1=0.5, alpha2=0.3))
+    assert (plain - adv).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    "mask_dtype, entropy_dtype",
+    [(torch.bool, torch.float32), (torch.uint8, torch.float32), (torch.int32, torch.float32),
+     (torch.int64, torch.float32), (torch.float64, torch.float32), (torch.bfloat16, torch.float32),
+     (torch.float32, torch.float64), (torch.float32, torch.bfloat16)],
+)  # fmt: skip
+def test_every_mask_and_entropy_dtype(mask_dtype, entropy_dtype):
+    """Each mask dtype as it is (bool read as uint8; half types converted), float32 / float64 entropy as it is."""
+    entropy, mask, rewards, gid, groups, responses, offset = random_batch(5, holes=True)
+    entropy = entropy.to(entropy_dtype)
+    params = GTPOParams(conflict_mask=True)
+    kernel = gtpo_token_advantages(entropy, mask.to(mask_dtype), rewards, gid, groups, params, offset, responses)
+    definition = gtpo_token_reference(entropy, mask, rewards, gid, groups, params, offset, responses)
+    assert_same(kernel, definition)
+
+
+@pytest.mark.parametrize("weight_scope, norm_scope", [("batch", "batch"), ("batch", "group"), ("group", "batch")])
+def test_two_threads_equal_one(monkeypatch, weight_scope, norm_scope):
+    """Rows (or groups) split over two threads give the one-thread result (up to the order of float64 sums)."""
+    entropy, mask, rewards, gid, groups, responses, offset = random_batch(3, groups=60, length=40)
+    params = GTPOParams(weight_scope=weight_scope, norm_scope=norm_scope, conflict_mask=True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    one = gtpo_token_advantages(entropy, mask, rewards, gid, groups, params, offset, responses)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert kernel_support.num_threads(len(rewards)) == 2
+    two = gtpo_token_advantages(entropy, mask, rewards, gid, groups, params, offset, responses)
+    assert_same(two, one)
+
+
+def test_large_output_is_zero_on_padding():
+    """A batch whose output takes the huge-page mapping (> 8 MB): padding keeps the mapping's zeros."""
+    gen = torch.Generator().manual_seed(0)
+    rows, length = 1200, 2048
+    lengths = torch.randint(0, length + 1, (rows,), generator=gen)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).to(torch.int64)
+    entropy = torch.where(mask.bool(), torch.rand(rows, length, generator=gen), float("nan"))
+    rewards = torch.where(torch.rand(rows, generator=gen) < 0.4, 1.0, 0.0)
+    gid = torch.arange(rows) % 75
+    adv, diag = gtpo_token_advantages(entropy, mask, rewards, gid, 75)
+    ref, ref_diag = gtpo_token_reference(entropy, mask, rewards, gid, 75)
+    torch.testing.assert_close(adv, ref, rtol=1e-5, atol=1e-6)
+    assert torch.count_nonzero(adv[~mask.bool()]) == 0
+    assert diag["frac_tokens_adv_pos"] == pytest.approx(ref_diag["frac_tokens_adv_pos"], abs=1e-6)
+
+
+def test_joint_zero_variance_rule_uses_the_whole_set():
+    """``joint``: the set holds both polarities, so its ``mean|x|`` runs over all its tokens. With ``zero_var_rtol``
+    between std / mean|x| of the whole set and std / (sum of one polarity's |x| / n), the set is constant (advantage 0);
+    a rule that summed one polarity only would keep the minority's advantages."""
+    entropy, mask, _, gid, groups, _, _ = random_batch(4, groups=6, length=8)
+    rewards = torch.where(torch.arange(len(gid)) % 9 == 0, 1.0, -1.0)  # correct tokens are a small minority
+    params = GTPOParams(norm_mode="joint")
+    shaped = gtpo_shaped_rewards(entropy, mask, rewards, gid, groups, params)[mask.bool()]
+    correct_tok = (rewards > 0)[:, None].expand_as(mask)[mask.bool()]
+    std, n = float(shaped.std()), shaped.numel()
+    whole = std / (float(shaped.abs().sum()) / n)
+    minority = std / (float(shaped[correct_tok].abs().sum()) / n)
+    assert whole < 1 < minority or whole < minority < 1
+    rtol = min((whole + min(minority, 1.0)) / 2, 0.999)
+    assert whole < rtol < minority
+    p = GTPOParams(norm_mode="joint", zero_var_rtol=rtol)
+    adv, _ = gtpo_token_advantages(entropy, mask, rewards, gid, groups, p)
+    ref, _ = gtpo_token_reference(entropy, mask, rewards, gid, groups, p)
+    assert torch.count_nonzero(adv) == 0 and torch.count_nonzero(ref) == 0
+    below, _ = gtpo_token_advantages(
+        entropy, mask, rewards, gid, groups, GTPOParams(norm_mode="joint", zero_var_rtol=whole / 2)
+    )
+    assert torch.count_nonzero(below) > 0  # just below the whole set's ratio the set is not constant
+
+
+def _fresh_kernel_state(monkeypatch):
+    monkeypatch.setattr(kernel_support, "_MODULES", {})
+    monkeypatch.setattr(kernel_support, "_WARNED", set())
+
+
+def test_falls_back_to_the_definition_when_numba_is_missing(monkeypatch):
+    _fresh_kernel_state(monkeypatch)
+    real_import = kernel_support.importlib.import_module
+
+    def no_numba(name):
+        if name.endswith("_kernel"):
+            raise ImportError("No module named 'numba'")
+        return real_import(name)
+
+    monkeypatch.setattr(kernel_support.importlib, "import_module", no_numba)
+    entropy, mask, rewards, gid, groups, responses, offset = random_batch(0)
+    with pytest.warns(RuntimeWarning, match="gtpo_token_kernel: compiled kernel unavailable.*numba"):
+        adv, diag = gtpo_token_advantages(entropy, mask, rewards, gid, groups, None, offset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        again, _ = gtpo_token_advantages(entropy, mask, rewards, gid, groups, None, offset)
+    ref, _ = gtpo_token_reference(entropy, mask, rewards, gid, groups, None, offset)
+    assert torch.equal(adv, ref) and torch.equal(again, ref)
+    assert "kernel_compile_s" not in diag
+    bad = entropy.clone()
+    bad[tuple(mask.bool().nonzero()[3].tolist())] = float("nan")
+    with pytest.raises(ValueError, match="NaN on 1 valid token"):  # the definition path checks the values too
+        gtpo_token_advantages(bad, mask, rewards, gid, groups)
+
+
+def test_falls_back_to_the_definition_when_the_kernel_fails_to_compile(monkeypatch):
+    _fresh_kernel_state(monkeypatch)
+    module = kernel_support.load_kernel("gtpo_token_kernel")
+
+    def broken(*args, **kwargs):
+        raise module.CompileError("no LLVM target")
+
+    monkeypatch.setattr(module, "gtpo_token_kernel", broken)
+    entropy, mask, rewards, gid, groups, _, offset = random_batch(1)
+    with pytest.warns(RuntimeWarning, match="gtpo_token_kernel: compiled kernel failed"):
+        adv, _ = gtpo_token_advantages(entropy, mask, rewards, gid, groups, None, offset)
+    ref, _ = gtpo_token_reference(entropy, mask, rewards, gid, groups, None, offset)
+    assert torch.equal(adv, ref)
+    assert kernel_support.load_kernel("gtpo_token_kernel") is None  # off for the rest of the process
+
+
+def test_bad_values_raise_the_definitions_messages():
+    entropy, mask, rewards, gid, groups, _, _ = random_batch(6, holes=True)
+    valid = mask.bool().nonzero()
+    for value, match in ((float("nan"), "NaN on 1 valid token"), (float("inf"), "inf on 1 valid token"),
+                         (-0.5, "negative value -0.5")):  # fmt: skip
+        bad = entropy.clone()
+        bad[tuple(valid[2].tolist())] = value
+        with pytest.raises(ValueError, match=match):
+            gtpo_token_advantages(bad, mask, rewards, gid, groups)
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        gtpo_token_advantages(entropy, mask * 2, rewards, gid, groups)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_take_the_definition():
+    entropy, mask, rewards, gid, groups, responses, offset = random_batch(2)
+    cuda = [t.cuda() for t in (entropy, mask, rewards, gid, responses, offset)]
+    adv, _ = gtpo_token_advantages(*cuda[:4], groups, GTPOParams(conflict_mask=True), cuda[5], cuda[4])
+    assert adv.device.type == "cuda"
+    ref, _ = gtpo_token_advantages(entropy, mask, rewards, gid, groups, GTPOParams(conflict_mask=True), offset,
+                                   responses)  # fmt: skip
+    torch.testing.assert_close(adv.cpu(), ref, rtol=1e-5, atol=1e-6)
+
+
+COMPILE_PROBE = """
+import json, torch
+from gtpo.algorithms.entropy_shaping import gtpo_token_advantages
+e = torch.rand(6, 5); m = torch.ones(6, 5); r = torch.tensor([1., -1., 1., -1., 1., 1.]); g = torch.arange(6) % 2
+first = gtpo_token_advantages(e, m, r, g, 2)[1]
+second = gtpo_token_advantages(e, m, r, g, 2)[1]
+print(json.dumps([first.get("kernel_compile_s"), second.get("kernel_compile_s")]))
+"""
+
+
+def test_compile_time_is_reported_on_the_first_call_only():
+    """A fresh process pays the compile (or the load from numba's disk cache) once, and says so in its diagnostics."""
+    res = subprocess.run([sys.executable, "-c", COMPILE_PROBE], capture_output=True, text=True, cwd=REPO_ROOT,
+                         timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    first, second = json.loads(res.stdout.strip().splitlines()[-1])
+    assert first is not None and first > 0 and second is None
+
+
+def test_registering_the_plugin_imports_no_kernel():
+    """verl imports the plugin in every Ray process; only the one that computes advantages loads (and compiles) a
+    kernel, on its first call."""
+    probe = "import sys, gtpo.verl_plugin.register; print([m for m in sys.modules if m.endswith('_kernel')])"
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "[]"
