@@ -176,9 +176,38 @@ gtpo_check_paths() {
     fi
 }
 
+# Launcher arguments that would run something else than the command line says, refused before Python starts:
+# an environment variable passed as an argument (DRY_RUN=1 after the script name is a Hydra key, not the variable),
+# and a method= or model= other than the launcher's own (its knobs, MODEL_PATH, NNODES and run names are that
+# method's and model's). Unknown preset names are Hydra's to refuse (configs/<group>/<name>.yaml must exist).
+gtpo_check_args() {
+    local script=${BASH_SOURCE[-1]} arg group value
+    local -A first=()
+    for arg in "$@"; do
+        if [[ "${arg}" =~ ^[A-Z][A-Z0-9_]*= ]]; then
+            echo "${arg}: an environment variable of the launcher, not a Hydra override; set it before the command:" \
+                "${arg} bash ${script} ..." >&2
+            return 1
+        fi
+        for group in method model; do
+            [[ "${arg}" == "${group}="* ]] || continue
+            value=${arg#*=}
+            if [[ -z "${first[${group}]:-}" ]]; then
+                first[${group}]=${value}
+            elif [[ "${first[${group}]}" != "${value}" ]]; then
+                echo "${group}=${value} on the command line of ${script}, a launcher for ${group}=${first[${group}]}:" \
+                    "its knobs, model path, node count and run names are those of ${group}=${first[${group}]};" \
+                    "use the launcher of ${group}=${value} (scripts/run_<method>_qwen2.5_<size>.sh)" >&2
+                return 1
+            fi
+        done
+    done
+}
+
 # Run the recipe: dry run, preflight, local run or Ray job, with the infrastructure overrides first and "$@" after them.
 gtpo_launch() {
     local mode
+    gtpo_check_args "$@" || return 1
     mode=$(gtpo_submit_mode)
     cd "${GTPO_REPO_ROOT}" || return 1
     local -a overrides=(

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Evaluate a saved checkpoint the way paper A's Table 1 reports it (arXiv 2508.04349, Sec. 3.1): the launch script
 # that trained it runs verl's validation only (trainer.val_only=true) on the checkpoint, with the validation sets
-# and sampling of the launch script (AIME 2024, AIME 2025, MATH 500; T 1.0, top-p 1.0, n = 32), dumping every
-# response (trainer.validation_data_dir); then `python -m gtpo.eval` regrades the dump and prints avg@n, unbiased
-# pass@k, maj@k per benchmark and the Table 1 columns (Mean@32, Pass@4, Pass@32).
+# and sampling of the launch script (AIME 2024, AIME 2025, MATH 500; T 1.0, top-p 1.0) at Table 1's n = 32
+# (EVAL_N; the launchers validate in the loop at n = 4), dumping every response (trainer.validation_data_dir); then
+# `python -m gtpo.eval` regrades the dump and prints avg@n, unbiased pass@k, maj@k per benchmark and the Table 1
+# columns (Mean@32, Pass@4, Pass@32). Cost: (30 + 30 + 500) x 32 = 17,920 responses per checkpoint.
 #
 #   bash scripts/eval_checkpoint.sh scripts/run_gtpo_qwen2.5_7b.sh <ckpts>/global_step_200 [hydra overrides]
 #   EVAL_DIR=/shared/eval/gtpo-200 bash scripts/eval_checkpoint.sh ...      # where the dump and tables go
@@ -37,6 +38,8 @@ fi
 EVAL_DIR=${EVAL_DIR:-"${checkpoint}/eval"}
 PYTHON=${PYTHON:-python3}
 EVAL_ARGS=${EVAL_ARGS:-"--sampling paper"}
+# Samples per problem: Table 1's Mean@32 / Pass@4 / Pass@32 (in-loop validation uses the launchers' val_n = 4).
+EVAL_N=${EVAL_N:-32}
 
 [[ "${EVAL_DIR}" == /* ]] || EVAL_DIR="${PWD}/${EVAL_DIR}"
 dump_dir="${EVAL_DIR}/generations"
@@ -46,6 +49,7 @@ bash "${launch_script}" \
     trainer.resume_mode=resume_path \
     trainer.resume_from_path="${checkpoint}" \
     trainer.validation_data_dir="${dump_dir}" \
+    actor_rollout_ref.rollout.val_kwargs.n="${EVAL_N}" \
     "$@"
 
 if [[ "${DRY_RUN:-0}" == 1 || "${DRY_RUN:-0}" == true ]]; then

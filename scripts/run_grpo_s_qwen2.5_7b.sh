@@ -16,7 +16,9 @@ set -xeuo pipefail
 # Scale: paper A's setup (arXiv 2508.04349, Sec. 3.1) from configs/scale/paper.yaml: 128 prompts x 16 responses,
 # prompt 2048 + response 4096 tokens, lr 1e-6, rollout temperature 1.0 / top-p 1.0, mini-batch 32 prompts.
 # scale=dapo (here or as an argument) selects DAPO's 512 x 16 at 2048 + 20480 instead (configs/scale/dapo.yaml).
-# Validation: AIME 2024, AIME 2025, MATH 500 (TEST_FILE) with paper A's sampling, n = 32 (configs/sampling/paper.yaml).
+# Validation: AIME 2024, AIME 2025, MATH 500 (TEST_FILE) with paper A's sampling (configs/sampling/paper.yaml),
+# in the loop at n = 4 every 20 steps: (30 + 30 + 500) x 4 = 2,240 responses, 1.1 training rounds each; Table 1's
+# n = 32 (17,920 responses, 8.75 rounds) runs offline on saved checkpoints: scripts/eval_checkpoint.sh.
 method=grpo_s
 model_preset=qwen2.5_7b
 scale=paper
@@ -24,6 +26,7 @@ clip_ratio_low=0.2
 clip_ratio_high=0.28
 loss_agg_mode=seq-mean-token-mean
 val_sampling=paper
+val_n=4
 
 # Infrastructure (on a cluster RAY_DATA_HOME, or each path, must be shared storage: scripts/common.sh)
 NNODES=${NNODES:-1}
@@ -47,6 +50,7 @@ gtpo_launch \
     model="${model_preset}" \
     scale="${scale}" \
     sampling="${val_sampling}" \
+    actor_rollout_ref.rollout.val_kwargs.n="${val_n}" \
     actor_rollout_ref.actor.clip_ratio_low="${clip_ratio_low}" \
     actor_rollout_ref.actor.clip_ratio_high="${clip_ratio_high}" \
     actor_rollout_ref.actor.loss_agg_mode="${loss_agg_mode}" \

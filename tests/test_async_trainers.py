@@ -10,6 +10,7 @@ verl's unmodified ``colocate_async`` trainer.
 from __future__ import annotations
 
 import subprocess
+import types
 
 import pytest
 import torch
@@ -62,6 +63,7 @@ def _preset(registered: str) -> list[str]:
 def test_each_mode_resolves_to_its_verl_base_and_reports_its_mode(registered):
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
+    from gtpo.verl_plugin.dynamic_sampling import BoundedDapoReplayBuffer
     from gtpo.verl_plugin.trainer_mixin import GTPOTrainerMixin
 
     verl_mode, _, _ = MODES[registered]
@@ -74,7 +76,12 @@ def test_each_mode_resolves_to_its_verl_base_and_reports_its_mode(registered):
     with pytest.raises(ValueError, match=r"trainer_mode='sync' selects another trainer"):
         trainer.trainer_mode = "sync"
     buffer = trainer._build_replay_buffer()
-    assert type(buffer) is (ReplayBuffer if verl_mode == "sync" else ReplayBufferAsync)
+    if verl_mode == "sync":
+        # gtpo's DAPO round limit (10) bounds verl's sync buffer; the async presets set it to 0
+        assert type(buffer) is BoundedDapoReplayBuffer and type(buffer).__mro__[1] is ReplayBuffer
+        assert buffer.max_num_gen_batches == 10
+    else:
+        assert type(buffer) is ReplayBufferAsync
     assert buffer.trainer_mode == verl_mode
     assert buffer.trainer_config == trainer.config.trainer.v1.get(verl_mode, {})
     assert buffer.filter_groups_metric == "acc"  # gtpo keeps DAPO's dynamic sampling in every mode
@@ -231,6 +238,108 @@ def test_verl_unmodified_async_trainer_drops_the_entropy(monkeypatch):
     assert len(seen) == 1 and seen[0]["entropy"] is not None and seen[0]["responses"] is not None
 
 
+def _groups_batch(groups: str):
+    """Four responses per prompt group, one group per letter of ``groups``, in TQ form; returns (rows, meta)."""
+    from transfer_queue import KVBatchMeta
+
+    gen = torch.Generator().manual_seed(11)
+    rows = {}
+    for g, uid in enumerate(groups):
+        for j, r in enumerate([1.0, -1.0, 1.0, -1.0] if g % 2 == 0 else [1.0, -1.0, -1.0, -1.0]):
+            n = 2 + (g + j) % 4
+            scores = torch.zeros(n)
+            scores[-1] = r
+            rows[f"{uid}{j}"] = {
+                "uid": uid,
+                "response_mask": torch.ones(n, dtype=torch.int64),
+                "rm_scores": scores,
+                "old_log_probs": -torch.rand(n, generator=gen),
+                "responses": torch.randint(0, 5, (n,), generator=gen),
+                "entropy": torch.rand(n, generator=gen) * 3 + 0.1,
+            }
+    return rows, KVBatchMeta(partition_id="train", keys=list(rows), tags=[{}] * len(rows))
+
+
+@pytest.mark.parametrize("registered,sync_step", [("gtpo_separate_async", 2), ("gtpo_sync", 1)])
+def test_each_estimator_call_logs_the_rows_and_groups_it_saw(registered, sync_step, monkeypatch):
+    """verl's own PPOTrainer.step on 4 prompt groups of 4: under separate_async with parameter_sync_step=2 it calls
+    the advantage step on two slices of 2 groups (8 rows) each; verl's metrics aggregator then reports the rows and
+    groups per call (its mean) and the calls (a "_total": summed). The sync trainer's one call sees all 16 rows."""
+    import transfer_queue
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    from verl.trainer.ppo.v1.trainer_separate_async import HybridEngineMode, PPOTrainerSeparateAsync
+
+    sizes = [
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.rollout.n=4",
+    ]
+    overrides = ["method=gtpo", *sizes]
+    if registered == "gtpo_separate_async":
+        overrides = [*SEPARATE, *overrides, f"trainer.v1.separate_async.parameter_sync_step={sync_step}"]
+    trainer = make_trainer(registered, overrides)
+    rows, meta = _groups_batch("abcd")
+    store = MemoryTQ(rows)
+    monkeypatch.setattr(transfer_queue, "kv_batch_get", store.kv_batch_get)
+    monkeypatch.setattr(transfer_queue, "kv_batch_put", store.kv_batch_put)
+
+    class Buffer:  # verl's replay buffer hands out the groups in order, batch_size prompts at a time
+        def __init__(self):
+            self.taken = 0
+
+        def sample(self, global_steps, partition_id, batch_size):
+            keys = meta.keys[self.taken * 4 : (self.taken + batch_size) * 4]
+            self.taken += batch_size
+            return KVBatchMeta(partition_id="train", keys=keys, tags=[{}] * len(keys)), {}
+
+    trainer.replay_buffer = Buffer()
+    trainer.parameter_sync_step = sync_step  # verl's PPOTrainer.__init__ reads it from trainer.v1.<mode>
+    trainer.reward_loop_manager = types.SimpleNamespace(reward_loop_worker_handles=["standalone reward workers"])
+    trainer.use_reference_policy = trainer.use_critic = False
+    trainer.current_mode = HybridEngineMode.TRAINER
+    trainer.hybrid_rollout_config = types.SimpleNamespace(enable_switch=False)
+    trainer._step_sample_wait_seconds = 0.0
+    trainer.checkpoint_manager = types.SimpleNamespace(sleep_replicas=lambda: None)  # the sync trainer's vLLM sleep
+    trainer.curr_step_profile = False
+    # the worker-side passes are not what this test is about
+    monkeypatch.setattr(PPOTrainer, "_add_batch_to_generate", lambda self: None)
+    monkeypatch.setattr(PPOTrainer, "_balance_batch", lambda self, batch, metrics: batch)
+    monkeypatch.setattr(PPOTrainer, "_update_actor", lambda self, batch, metrics: batch)
+    for cls in (PPOTrainer, PPOTrainerSeparateAsync):
+        monkeypatch.setattr(cls, "_compute_old_log_prob", lambda self, batch, metrics: batch)
+
+    metrics: dict = {}
+    batch = trainer.step(metrics, {})
+    assert len(batch.keys) == 16 and trainer.replay_buffer.taken == 4
+    calls = sync_step
+    assert metrics["gtpo/estimator_rows"] == 16 / calls and metrics["gtpo/estimator_groups"] == 4 / calls
+    assert metrics["gtpo/estimator_calls_total"] == calls
+    assert all(torch.count_nonzero(store.rows[k]["advantages"]) for k in ("a0", "d0"))  # every slice got advantages
+
+
+def test_batch_scopes_under_parameter_sync_step_are_a_startup_note():
+    from gtpo.verl_plugin.async_checks import startup_notes
+
+    def notes(*overrides):
+        return startup_notes(compose([*SEPARATE, "model=qwen2.5_7b", *overrides]))
+
+    (note,) = notes("method=gtpo")
+    assert note.startswith("algorithm.gtpo.norm_scope=batch, algorithm.gtpo.weight_scope=batch with ")
+    assert "parameter_sync_step=4" in note and "32 prompts (512 responses), not the step's 128 (2048)" in note
+    assert "gtpo/estimator_rows" in note
+    (note,) = notes("method=gtpo", "algorithm.gtpo.norm_scope=group")
+    assert note.startswith("algorithm.gtpo.weight_scope=batch with")
+    assert notes("method=gtpo", "algorithm.gtpo.norm_scope=group", "algorithm.gtpo.weight_scope=group") == []
+    (note,) = notes("method=dapo_forking", "algorithm.forking.scope=batch")
+    assert note.startswith("algorithm.forking.scope=batch with") and "forking/batch_scope_rows" in note
+    assert notes("method=dapo_forking") == []  # micro-batch quantile: per micro-batch in every mode
+    assert notes("method=grpo_s") == []
+    one_update = ["trainer.v1.separate_async.parameter_sync_step=1", "actor_rollout_ref.actor.ppo_mini_batch_size=128"]
+    assert notes("method=gtpo", *one_update) == []
+    assert startup_notes(compose(["method=gtpo"])) == [] and startup_notes(compose(["trainer=colocate_async"])) == []
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # startup errors (validate_recipe_config: the entry point runs it before Ray, the dry run too)
 
@@ -310,6 +419,43 @@ def test_each_violated_separate_async_constraint_names_its_key(overrides, messag
     _validate(base)
     with pytest.raises(ValueError, match=message):
         _validate(base + overrides)
+
+
+@pytest.mark.parametrize("preset", ["sync", "colocate_async"])
+def test_a_rollout_pool_outside_separate_async_is_refused(preset):
+    with pytest.raises(
+        ValueError, match=rf"actor_rollout_ref.rollout.nnodes=2 with trainer.v1.trainer_mode=gtpo_{preset}"
+    ):
+        _validate([f"trainer={preset}", "actor_rollout_ref.rollout.nnodes=2"])
+
+
+def test_separate_async_preset_gives_the_rollout_gpus_to_vllm():
+    """verl's v1 trainers read gpu_memory_utilization for every replica (standalone_gpu_memory_utilization only in
+    its experimental fully-async trainer): with no replicas on the training GPUs, the preset's value is the pool's."""
+    cfg = compose([*SEPARATE, "method=gtpo", "model=qwen2.5_7b"])
+    assert cfg.actor_rollout_ref.hybrid_engine is False
+    assert cfg.actor_rollout_ref.rollout.gpu_memory_utilization == 0.85
+    assert compose(["method=gtpo", "model=qwen2.5_7b"]).actor_rollout_ref.rollout.gpu_memory_utilization == 0.6
+
+
+@pytest.mark.parametrize("cupy", [None, "stand-in"])
+def test_the_entry_point_refuses_nccl_without_cupy(cupy, monkeypatch):
+    """prepare_config, before Ray: cupy's import failure simulated (sys.modules["cupy"] = None makes it raise)."""
+    import sys
+
+    import gtpo.verl_plugin.register  # noqa: F401
+    from recipe.gtpo.main_gtpo import prepare_config
+
+    monkeypatch.setitem(sys.modules, "cupy", None if cupy is None else types.ModuleType("cupy"))
+    cfg = compose([*SEPARATE, "method=gtpo", "model=qwen2.5_7b"])
+    if cupy is None:
+        with pytest.raises(ValueError, match=r"backend=nccl: verl's nccl checkpoint engine imports cupy") as err:
+            prepare_config(cfg)
+        assert "install cupy-cuda13x==14.0.1" in str(err.value)
+        prepare_config(compose([*SEPARATE, "method=gtpo", "model=qwen2.5_7b"]), dry_run=True)  # a laptop dry run
+    else:
+        prepare_config(cfg)
+    prepare_config(compose(["method=gtpo", "model=qwen2.5_7b"]))  # the naive engine of the other modes imports nothing
 
 
 def test_colocate_async_constraints():

@@ -13,6 +13,8 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "recipe" / "gtpo" / "config"
 PRESET_GROUPS = ("method", "model", "scale", "backend", "sampling")
+# Every group the defaults list picks from configs/ (trainer=separate_async alone does not validate: it needs a pool).
+ALL_GROUPS = (*PRESET_GROUPS, "trainer")
 
 
 def _presets(group: str) -> list[str]:
@@ -172,3 +174,72 @@ def test_startup_validation_rejects_the_overlong_trap(overrides, match):
     validate_recipe_config(compose(["method=dapo"]))  # the preset itself passes
     with pytest.raises(ValueError, match=match):
         validate_recipe_config(compose(["method=dapo", *overrides]))
+
+
+@pytest.mark.parametrize(
+    "group,typo",
+    [
+        ("method", "gtpoo"),
+        ("model", "qwen2.5-7b"),
+        ("scale", "papr"),
+        ("sampling", "Paper"),
+        ("trainer", "separate-async"),
+        ("backend", "cpu"),
+    ],
+)
+def test_a_mistyped_preset_name_fails_naming_it_and_the_valid_ones(group, typo):
+    """No preset group is `optional` in the defaults list: an unknown name cannot compose without its preset."""
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException) as err:
+        compose([f"{group}={typo}"])
+    message = str(err.value)
+    assert f"Could not find '{group}/{typo}'" in message
+    listed = message.split(f"Available options in '{group}':", 1)[1]
+    for name in _presets(group):
+        assert f"\t{name}\n" in listed, name
+
+
+def test_the_six_preset_groups_are_required_entries_of_the_defaults_list():
+    import yaml
+
+    defaults = yaml.safe_load((CONFIG_DIR / "gtpo_trainer.yaml").read_text())["defaults"]
+    entries = {key: value for item in defaults if isinstance(item, dict) for key, value in item.items()}
+    for group in ALL_GROUPS:
+        assert group in entries and f"optional {group}" not in entries, group
+    assert entries["scale"] == "paper" and all(entries[g] is None for g in ALL_GROUPS if g != "scale")
+
+
+@pytest.mark.parametrize(
+    "override,expect",
+    [
+        # a misspelt key or group: Hydra's struct mode names it
+        ("trainer.total_training_step=100", "Could not override 'trainer.total_training_step'"),
+        ("methods=gtpo", "Could not override 'methods'"),
+        # an empty preset name lists the valid ones
+        ("method=", "Available options in 'method':\n\tdapo\n"),
+        # two presets at once
+        ("method=gtpo,dapo", "Ambiguous value for argument 'method=gtpo,dapo'"),
+    ],
+)
+def test_other_command_line_mistakes_fail_at_composition(override, expect):
+    from hydra.errors import HydraException
+
+    with pytest.raises(HydraException) as err:
+        compose([override])
+    assert expect in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "scale,steps,max_model_len",
+    [("paper", 210, 6144), ("dapo", None, 22528), ("smoke", None, 2048)],
+)
+def test_scale_presets_set_the_run_length_and_vllm_context(scale, steps, max_model_len):
+    """scale=paper stops at paper A's 210 steps (Sec. 3.3); vLLM's context is prompt + response at every scale."""
+    from omegaconf import OmegaConf
+
+    cfg = compose([f"scale={scale}", "method=gtpo"])
+    OmegaConf.resolve(cfg)
+    assert cfg.trainer.total_training_steps == steps
+    assert cfg.actor_rollout_ref.rollout.max_model_len == max_model_len
+    assert max_model_len == cfg.data.max_prompt_length + cfg.data.max_response_length

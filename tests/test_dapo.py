@@ -238,3 +238,19 @@ def test_bound_generation_rounds_wraps_only_when_configured(monkeypatch):
     assert bounded.filter_groups_metric == "acc" and bounded.train_batch_size == 4
     with pytest.raises(ValueError, match="sync ReplayBuffer"):
         BoundedDapoReplayBuffer.from_replay_buffer(bounded, 5)
+
+
+@pytest.mark.parametrize("method", ["gtpo", "grpo_s"])
+def test_gtpo_and_grpo_s_presets_stop_at_dapo_s_round_limit(monkeypatch, method):
+    """Their dynamic sampling gets DAPO's bound: 10 generation rounds, then an error naming the limit."""
+    from gtpo.verl_plugin.dynamic_sampling import BoundedDapoReplayBuffer, bound_generation_rounds
+    from tests.test_configs import compose
+
+    algorithm = compose([f"method={method}"]).algorithm
+    buffer, rollout, _ = _buffer(monkeypatch, [])  # every group saturated: the batch never fills
+    bounded = bound_generation_rounds(buffer, algorithm)
+    assert isinstance(bounded, BoundedDapoReplayBuffer) and bounded.max_num_gen_batches == 10
+    rollout.submit(4)
+    with pytest.raises(RuntimeError, match=r"algorithm\.filter_groups\.max_num_gen_batches=10 generation rounds"):
+        bounded.sample(global_steps=1, partition_id="train", batch_size=4)
+    assert rollout.dispatched == 4 + 9 * 4

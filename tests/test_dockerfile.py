@@ -163,3 +163,33 @@ def test_added_pins_match_pyproject():
 def test_dockerignore_keeps_context_small():
     lines = set((REPO / ".dockerignore").read_text().split())
     assert {".git", ".venv", "checkpoints", "wandb"} <= lines
+
+
+def test_cupy_installed_at_verl_s_pin_and_checked_at_build_time(monkeypatch):
+    """verl's NCCL checkpoint engine (trainer=separate_async) imports cupy; the image installs the cupy that verl
+    0.9.1's fsdp extra pins (through its cupy-cu130 extra) and fails the build when verl's engine does not register.
+    The build-time check runs here three ways: no cupy, cupy without verl's engine, both."""
+    import types
+
+    pins = [r for r in metadata.requires("verl") or [] if r.startswith("cupy-cuda")]
+    (pin,) = [r.split(";")[0].strip() for r in pins]
+    assert pin == "cupy-cuda13x==14.0.1"
+    text = DOCKERFILE.read_text()
+    assert f'"{pin}"' in text
+    (install, final) = _joined_runs()
+    assert f'"{pin}"' in install
+    steps = [step.strip() for step in final.split("&&") if "cupy" in step]
+    (code,) = [re.fullmatch(r'python3 -c "(.*)"', step).group(1) for step in steps]
+
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(ImportError):
+        exec(code, {})
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    sys.modules["cupy"].__version__ = "14.0.1"
+    monkeypatch.delitem(CheckpointEngineRegistry._registry, "nccl", raising=False)
+    with pytest.raises(ValueError, match="Checkpoint engine nccl not registered"):
+        exec(code, {})
+    monkeypatch.setitem(CheckpointEngineRegistry._registry, "nccl", object)
+    exec(code, {})

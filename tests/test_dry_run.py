@@ -165,3 +165,73 @@ def test_config_left_untouched(compose):
     before = OmegaConf.to_yaml(cfg)
     run_dry(cfg)
     assert OmegaConf.to_yaml(cfg) == before
+
+
+@pytest.mark.parametrize(
+    "size,extra,lines",
+    [
+        # the fix: the forking loss detaches the training policy's entropy, so only calculate_entropy's extra logits
+        # copy remains (no in-place cross-entropy backward); the entropy chunks are transient
+        (
+            "7b",
+            [],
+            [
+                "training micro-batch: logits 24,576 x 152,064 x 2 B x 2 = 13.9 GiB",
+                "entropy chunk 2,048 x 152,064 x 4 B x 3 = 3.5 GiB (transient, forward only: the forking loss detaches",
+            ],
+        ),
+        ("32b", [], ["training micro-batch: logits 22,528 x 152,064 x 2 B x 2 = 12.8 GiB"]),
+        # with an entropy bonus the gradient flows: the review's 27.8 / 25.5 GiB recompute and 3 logits copies
+        (
+            "7b",
+            ["actor_rollout_ref.actor.entropy_coeff=0.001"],
+            [
+                "logits 24,576 x 152,064 x 2 B x 3 = 20.9 GiB",
+                "entropy kept for its backward 24,576 x 152,064 x 4 B x 2 = 27.8 GiB",
+            ],
+        ),
+        ("32b", ["actor_rollout_ref.actor.entropy_coeff=0.001"], ["22,528 x 152,064 x 4 B x 2 = 25.5 GiB"]),
+    ],
+)
+def test_dry_run_prints_the_forking_pass_memory_terms(compose, capsys, size, extra, lines):
+    from gtpo.verl_plugin.dry_run import run_dry
+
+    run_dry(compose("method=dapo_forking", f"model=qwen2.5_{size}", *extra))
+    out = capsys.readouterr().out
+    assert "vocabulary 152,064: Qwen2.5-7B / 32B's, assumed" in out
+    for line in lines:
+        assert line in out, line
+
+
+def test_memory_terms_of_the_other_methods_and_a_readable_vocabulary(compose, capsys, tmp_path):
+    from gtpo.verl_plugin.dry_run import run_dry
+
+    model = tmp_path / "Qwen2.5-0.5B-Instruct"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 151936}')
+    run_dry(compose("method=dapo", "model=qwen2.5_7b", f"actor_rollout_ref.model.path={model}"))
+    out = capsys.readouterr().out
+    assert f"vocabulary 151,936: vocab_size of {model / 'config.json'}" in out
+    # no entropy in the training pass: flash-attn writes the logits' gradient in place
+    assert "training micro-batch: logits 24,576 x 151,936 x 2 B x 1 = 7.0 GiB (gradient written in place)" in out
+    assert "old-log-prob micro-batch: logits 49,152 x 151,936 x 2 B x 1 = 13.9 GiB (no backward)" in out
+
+
+def test_separate_async_dry_run_states_the_nodes_the_engine_and_the_batch_note(compose, capsys):
+    from gtpo.verl_plugin.dry_run import run_dry
+
+    run_dry(compose("model=qwen2.5_32b", "trainer=separate_async", "actor_rollout_ref.rollout.nnodes=2"))
+    out = capsys.readouterr().out
+    assert (
+        "+ standalone rollout pool 2 node(s) x 8 GPU(s) (vLLM replicas=4, tp=4): the cluster needs 6 GPU nodes" in out
+    )
+    assert "[dry run] checkpoint engine: nccl, needs cupy: does NOT import here" in out  # no cupy on this machine
+    assert "[dry run] note: algorithm.gtpo.norm_scope=batch, algorithm.gtpo.weight_scope=batch" in out
+
+
+def test_term_arithmetic():
+    from gtpo.verl_plugin.memory_estimate import GIB, Term
+
+    term = Term("logits", 24_576, 152_064, 2, 2, "why")
+    assert term.gib == 24_576 * 152_064 * 2 * 2 / GIB == pytest.approx(13.92, abs=0.01)
+    assert str(term) == "logits 24,576 x 152,064 x 2 B x 2 = 13.9 GiB (why)"

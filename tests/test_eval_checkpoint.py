@@ -108,6 +108,7 @@ def test_eval_checkpoint_of_a_one_step_run(ray_cluster, tiny_assets, tmp_path):
         PYTHON=sys.executable,
         EVAL_DIR=str(eval_dir),
         EVAL_ARGS="--sampling paper --num-workers 1 --no-progress",
+        EVAL_N=str(N_SAMPLES),  # the script's default is Table 1's 32 samples per problem
         PYTHONUNBUFFERED="1",
     )
     with open(tmp_path / "eval.log", "wb") as log:

@@ -166,8 +166,8 @@ def test_denominator_is_selected_count_and_gradient_only_on_selected():
     expected[2] = -2.0 / 2  # row 0 response token 1 -> flat index 0 + 2 - 1 + 1
     expected[5 + 3 - 1 + 0] = 4.0 / 2  # row 1 response token 0
     torch.testing.assert_close(grad, expected)
-    # No gradient reaches the entropy through the mask (entropy_coeff = 0 adds only a zero term).
-    assert ent_grad is None or torch.all(ent_grad == 0)
+    # No gradient reaches the entropy, neither through the mask nor through verl's (zero-weighted) entropy loss.
+    assert ent_grad is None
     assert metrics["forking/selected_token_frac"].values == [pytest.approx(2 / 5)]
     assert metrics["forking/entropy_threshold"].values == [pytest.approx(0.8)]
 
@@ -203,6 +203,36 @@ def test_batch_scope_uses_driver_threshold_and_fraction():
     assert loss.item() == pytest.approx(-2.0)
     with pytest.raises(ValueError, match="driver hook"):
         _loss(_p(rho=0.2, scope="batch"), [2], [[0.1]], [[1.0]])
+
+
+def test_no_backward_into_the_entropy_without_an_entropy_bonus():
+    """verl's ppo_loss subtracts entropy_coeff * entropy_loss even at entropy_coeff = 0; that zero gradient would make
+    the backward recompute verl's checkpointed chunked entropy with autograd (tokens x vocabulary x 4 B x 2). The
+    forking loss hands ppo_loss the entropy detached: nothing reaches it, and the loss and the log-prob gradient are
+    the ones of the undetached path. With an entropy bonus the gradient reaches it, as in verl."""
+    import dataclasses
+
+    from verl.workers.utils.losses import ppo_loss
+
+    from gtpo.verl_plugin.forking import ForkingPPOLoss
+
+    args = ([2, 3], [[0.1, 0.9, 0.3], [0.8, 0.2]], [[1.0, 2.0, 3.0], [-4.0, 5.0]])
+    loss, metrics, grad, ent_grad = _loss(_p(rho=0.4), *args)
+    assert ent_grad is None, "the entropy took part in the backward"
+    assert "actor/entropy_loss" in metrics  # verl's entropy metric is still computed
+
+    # negative control: verl's own loss on the same outputs backpropagates (zeros) into the entropy
+    data, out, logp, ent_leaf = _micro_batch(*args)
+    verl_loss, _ = ppo_loss(_actor_config(), out, data)
+    verl_loss.backward()
+    assert ent_leaf.grad is not None and torch.all(ent_leaf.grad == 0)
+
+    bonus = dataclasses.replace(_actor_config(), entropy_coeff=0.01)
+    data, out, logp, ent_leaf = _micro_batch(*args)
+    bonus_loss, _ = ForkingPPOLoss(bonus, _p(rho=0.4))(out, data)
+    bonus_loss.backward()
+    assert ent_leaf.grad is not None and torch.any(ent_leaf.grad != 0)
+    torch.testing.assert_close(logp.grad, grad)  # the bonus does not touch the log-prob gradient
 
 
 def test_errors_for_missing_entropy_and_wrong_agg_mode():

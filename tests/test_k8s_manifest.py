@@ -171,11 +171,19 @@ def test_entrypoint_runs_preflight_then_training(job, tmp_path, preflight_rc):
     entrypoint = job["spec"]["entrypoint"].replace("/workspace/gtpo/", f"{tmp_path}/")
     proc = subprocess.run(["bash", "-c", entrypoint], capture_output=True, text=True)
     calls = log.read_text().splitlines()
-    preflight, training = "PREFLIGHT=1 trainer.total_epochs=1", "PREFLIGHT=0 trainer.total_epochs=1"
+    preflight, training = "PREFLIGHT=1 ", "PREFLIGHT=0 "
     if preflight_rc == 0:
         assert proc.returncode == 0 and calls == [preflight, training]
     else:
         assert proc.returncode != 0 and calls == [preflight]
+
+
+def test_entrypoint_keeps_the_paper_run_length(job):
+    """No run-length override: trainer.total_epochs=1 would stop verl at 17,290 // 128 = 135 of paper A's 210 steps."""
+    entrypoint = job["spec"]["entrypoint"]
+    assert "total_epochs" not in entrypoint and "total_training_steps" not in entrypoint, entrypoint
+    paper = yaml.safe_load((REPO / "configs" / "scale" / "paper.yaml").read_text())
+    assert paper["trainer"]["total_training_steps"] == 210
 
 
 def test_multi_node_network_and_cpus(job):

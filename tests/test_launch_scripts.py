@@ -57,6 +57,9 @@ SCRIPT_KNOB_KEYS = (
 )
 
 
+SMOKE = REPO / "scripts" / "run_smoke_qwen2.5_0.5b.sh"
+
+
 def script_path(method: str, size: str) -> Path:
     return REPO / "scripts" / f"run_{method}_qwen2.5_{size}.sh"
 
@@ -140,7 +143,7 @@ def shellcheck_binary() -> str:
 
 def test_shellcheck_clean():
     scripts = sorted((REPO / "scripts").glob("run_*_qwen2.5_*.sh"))
-    assert len(scripts) == len(CASES)
+    assert len(scripts) == len(CASES) + 1 and SMOKE in scripts
     files = [*scripts, REPO / "scripts" / "common.sh", REPO / "scripts" / "slurm" / "ray_on_slurm.sbatch"]
     files.append(REPO / "scripts" / "eval_checkpoint.sh")
     proc = subprocess.run(
@@ -242,8 +245,12 @@ def test_dry_run(dry_runs, method, size):
     # Table 1 validation: AIME 2024, AIME 2025, MATH 500 at paper A's sampling with 32 samples per problem.
     assert [Path(f).name for f in data["val_files"]] == list(VAL_FILES)
     val = rollout["val_kwargs"]
-    assert (val["temperature"], val["top_p"], val["n"], val["do_sample"]) == (1.0, 1.0, 32, True)
-    assert cfg["trainer"]["test_freq"] > 0
+    # in the loop: n = 4 every 20 steps ((30 + 30 + 500) x 4 = 2,240 responses); Table 1's n = 32 offline
+    assert (val["temperature"], val["top_p"], val["n"], val["do_sample"]) == (1.0, 1.0, 4, True)
+    assert cfg["trainer"]["test_freq"] == 20 and cfg["trainer"]["val_before_train"] is True
+    # paper A's run length (Sec. 3.3) and vLLM's context = prompt + response
+    assert cfg["trainer"]["total_training_steps"] == 210 and cfg["trainer"]["total_epochs"] >= 2
+    assert rollout["max_model_len"] == PAPER["prompt_len"] + PAPER["response_len"]
     buffer = cfg["reward"].get("reward_kwargs", {}).get("overlong_buffer_cfg", {})
     if method in OVERLONG:
         assert buffer["enable"] and 0 < buffer["len"] < PAPER["response_len"]
@@ -424,6 +431,86 @@ def test_eval_checkpoint_dry_run(tmp_path):
     assert trainer["val_only"] is True and trainer["val_before_train"] is True
     assert trainer["resume_mode"] == "resume_path" and trainer["resume_from_path"] == str(ckpt)
     assert trainer["validation_data_dir"] == str(ckpt / "eval" / "generations")
+    # Table 1's 32 samples per problem, not the launcher's in-loop 4
+    assert resolved_config(proc.stdout)["actor_rollout_ref"]["rollout"]["val_kwargs"]["n"] == 32
     assert "-m gtpo.eval" not in proc.stderr  # a dry run evaluates nothing
     bad = _dry_run(tmp_path, str(REPO / "scripts" / "eval_checkpoint.sh"), str(script_path("gtpo", "7b")), "ckpts/last")
     assert bad.returncode == 2 and "expected verl's checkpoint folder" in bad.stderr
+
+
+def _resolved_configs(stdout: str) -> list[dict]:
+    """Every resolved config a dry run printed (the smoke launcher prints one per phase)."""
+    return [yaml.safe_load(block.split(END, 1)[0]) for block in stdout.split(BEGIN)[1:]]
+
+
+@pytest.mark.parametrize("method", ["gtpo", "dapo_forking"])
+def test_smoke_launcher_dry_run(tmp_path, method):
+    """One GPU, 16 x 8 at 1024 + 1024 tokens; phase 1 trains 2 steps from scratch, phase 2 resumes from step 2."""
+    args = [] if method == "gtpo" else [f"method={method}"]
+    proc = _dry_run(tmp_path, str(SMOKE), *args)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert proc.stdout.count("[dry run] OK") == 2
+    first, second = _resolved_configs(proc.stdout)
+    for cfg in (first, second):
+        data, trainer = cfg["data"], cfg["trainer"]
+        actor, rollout = cfg["actor_rollout_ref"]["actor"], cfg["actor_rollout_ref"]["rollout"]
+        assert (trainer["nnodes"], trainer["n_gpus_per_node"]) == (1, 1)
+        assert cfg["algorithm"]["adv_estimator"] == METHOD_EXPECT[method]["adv"]
+        assert cfg["algorithm"]["forking"]["enable"] is (method == "dapo_forking")
+        assert (data["train_batch_size"], rollout["n"], actor["ppo_mini_batch_size"]) == (16, 8, 8)
+        assert (data["max_prompt_length"], data["max_response_length"], rollout["max_model_len"]) == (1024, 1024, 2048)
+        assert rollout["name"] == "vllm" and cfg["actor_rollout_ref"]["model"]["use_remove_padding"] is True
+        assert actor["strategy"] == "fsdp2" and actor["fsdp_config"]["use_torch_compile"] is False
+        assert cfg["actor_rollout_ref"]["model"]["path"].endswith("/models/Qwen2.5-0.5B-Instruct")
+        assert rollout["val_kwargs"]["n"] == 2 and data["val_max_samples"] == 64 and trainer["test_freq"] == 2
+        assert trainer["save_freq"] == 2 and trainer["logger"] == ["console"]
+        assert trainer["experiment_name"] == f"smoke-{method}-qwen2.5-0.5b"
+    ckpts = first["trainer"]["default_local_dir"]
+    assert ckpts.endswith(f"/ckpts/gtpo-smoke/smoke-{method}-qwen2.5-0.5b")
+    assert (first["trainer"]["total_training_steps"], first["trainer"]["resume_mode"]) == (2, "disable")
+    assert (second["trainer"]["total_training_steps"], second["trainer"]["resume_mode"]) == (4, "resume_path")
+    assert second["trainer"]["resume_from_path"] == f"{ckpts}/global_step_2"
+    if method == "dapo_forking":  # the smoke scale's own overlong buffer, inside the 1,024-token response
+        assert "overlong punishment: buffer 256 of 1024 tokens" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["DRY_RUN=1"], "DRY_RUN=1: an environment variable of the launcher, not a Hydra override; set it before"),
+        (["NNODES=2"], "NNODES=2: an environment variable of the launcher"),
+        (
+            ["method=grpo"],
+            "method=grpo on the command line of scripts/run_gtpo_qwen2.5_7b.sh, a launcher for method=gtpo",
+        ),
+        (["model=qwen2.5_32b"], "model=qwen2.5_32b on the command line of scripts/run_gtpo_qwen2.5_7b.sh"),
+    ],
+)
+def test_launcher_mistakes_are_refused_before_python_starts(tmp_path, args, message):
+    bin_dir, log = fake_tools(tmp_path)
+    proc = subprocess.run(
+        ["bash", "scripts/run_gtpo_qwen2.5_7b.sh", *args],
+        cwd=REPO,
+        env=launch_env(tmp_path, bin_dir, log),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert not log.exists() or "python" not in log.read_text()
+    # the launcher's own method / model repeated is fine
+    ok = subprocess.run(
+        ["bash", "scripts/run_gtpo_qwen2.5_7b.sh", "method=gtpo", "model=qwen2.5_7b"],
+        cwd=REPO,
+        env=launch_env(tmp_path, bin_dir, log),
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+def test_a_mistyped_preset_on_a_launcher_fails_listing_the_valid_ones(tmp_path):
+    """method=gtpoo used to compose without a method preset and validate: GTPO's estimator, none of its preset."""
+    proc = _dry_run(tmp_path, str(script_path("dapo", "7b")), "sampling=papr")
+    assert proc.returncode != 0 and "[dry run] OK" not in proc.stdout
+    assert "Could not find 'sampling/papr'" in proc.stderr
+    assert "Available options in 'sampling':\n\tdapo\n\tpaper\n\tr1" in proc.stderr

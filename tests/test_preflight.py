@@ -23,11 +23,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+TRAIN_ROWS = 17_290
 ITEMS = [
     "config",
     "overlong buffer",
     "train data",
     "val data",
+    "run length",
     "model",
     "trackers",
     "checkpoint cadence",
@@ -45,14 +47,18 @@ def write_layout(root: Path, model_name: str = "Qwen2.5-7B", positions: int = 13
 
     data = root / "data"
     data.mkdir(parents=True)
-    rows = {
-        "data_source": ["math_dapo"] * 3,
-        "prompt": [[{"role": "user", "content": f"1+{i}? Answer:"}] for i in range(3)],
-        "reward_model": [{"style": "rule", "ground_truth": str(1 + i)} for i in range(3)],
-    }
-    # The file names `python -m gtpo.data.prepare` writes, which the launch scripts default to.
+
+    def rows(n: int) -> dict:
+        return {
+            "data_source": ["math_dapo"] * n,
+            "prompt": [[{"role": "user", "content": f"1+{i}? Answer:"}] for i in range(n)],
+            "reward_model": [{"style": "rule", "ground_truth": str(1 + i)} for i in range(n)],
+        }
+
+    # The file names `python -m gtpo.data.prepare` writes, which the launch scripts default to; the training set
+    # has DAPO-Math-17k's 17,290 problems (135 steps of 128 prompts per epoch).
     for name in ("dapo_math_17k", "aime2024", "aime2025", "math500"):
-        pq.write_table(pa.table(rows), data / f"{name}.parquet")
+        pq.write_table(pa.table(rows(TRAIN_ROWS if name == "dapo_math_17k" else 3)), data / f"{name}.parquet")
     model = root / "models" / model_name
     model.mkdir(parents=True)
     (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": positions}))
@@ -291,6 +297,75 @@ def test_old_or_missing_driver_fails(compose, layout, driver, expect):
 def test_interfaces_fail(compose, layout, env, cluster, expect):
     rc, lines = run(compose(layout, "trainer.nnodes=2"), FakeCluster(**cluster), env={**GOOD_ENV, **env})
     assert rc == 1 and expect in _fail_line(lines, "interfaces")
+
+
+# ------------------------------------------------------------------ separate_async: the rollout pool's nodes
+
+SEPARATE = ["trainer=separate_async", "trainer.nnodes=2", "actor_rollout_ref.rollout.nnodes=1"]
+
+
+@pytest.fixture
+def cupy_importable(monkeypatch):
+    """verl's NCCL checkpoint engine imports cupy; a stand-in module makes it importable on this CPU machine."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+
+
+def _items(lines):
+    """(status, item) of every check line; the startup notes are printed as "[preflight] note ..." lines."""
+    return [re.match(r"\[preflight\] (ok|FAIL) +([^:]+): ", line).groups() for line in lines if " note " not in line]
+
+
+def test_separate_async_needs_trainer_plus_rollout_nodes(compose, layout, cupy_importable):
+    """2 trainer nodes + a 1-node rollout pool: 3 GPU nodes pass, 2 (all of them the trainer's) fail naming the sum."""
+    rc, lines = run(compose(layout, *SEPARATE), FakeCluster(n=3))
+    assert rc == 0, "\n".join(lines)
+    assert _items(lines[:-1]) == [("ok", item) for item in ITEMS]
+    (cluster_line,) = [line for line in lines if " ray cluster: " in line]
+    assert "2 GPU node(s) x >= 8 GPU(s) + rollout pool 1 x >= 8" in cluster_line
+    # gtpo's batch scopes under parameter_sync_step=4 are a printed note, not a failure
+    (note,) = [line for line in lines if " note " in line]
+    assert "parameter_sync_step=4" in note and "32 prompts (512 responses), not the step's 128 (2048)" in note
+
+    rc, lines = run(compose(layout, *SEPARATE), FakeCluster(n=2))
+    assert rc == 1
+    assert (
+        "2 GPU node(s) ['gpu-a01', 'gpu-a02'] != trainer.nnodes=2 + actor_rollout_ref.rollout.nnodes=1 = 3"
+        in (lines[-1])
+    )
+    assert lines[-1].startswith("[preflight] FAIL ray cluster: ")
+
+
+def test_separate_async_rollout_nodes_need_their_gpus(compose, layout, cupy_importable):
+    cluster = FakeCluster(n=3, node3={"gpus": 4})
+    rc, lines = run(compose(layout, *SEPARATE), cluster)
+    assert rc == 1 and "node gpu-a03 has 4 GPU(s) < actor_rollout_ref.rollout.n_gpus_per_node=8" in lines[-1]
+    # a 4-GPU pool node is right when the pool asks for 4 GPUs per node (TP 1 replicas tile them)
+    rc, lines = run(compose(layout, *SEPARATE, "actor_rollout_ref.rollout.n_gpus_per_node=4"), cluster)
+    assert rc == 0, "\n".join(lines)
+
+
+def test_nccl_engine_without_cupy_fails_the_config_check(compose, layout, monkeypatch):
+    """cupy's import failure simulated: the config check names the backend, the module and verl's cupy pin."""
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
+    rc, lines = run(compose(layout, *SEPARATE), FakeCluster(n=3))
+    assert rc == 1 and len(lines) == 1
+    assert lines[0].startswith("[preflight] FAIL config: actor_rollout_ref.rollout.checkpoint_engine.backend=nccl")
+    assert "imports cupy" in lines[0] and "install cupy-cuda13x==14.0.1" in lines[0]
+
+
+def test_epochs_that_end_before_the_steps_fail_the_run_length(compose, layout):
+    # The RayJob's former trainer.total_epochs=1: 17,290 // 128 = 135 of paper A's 210 steps, without a last checkpoint.
+    rc, lines = run(compose(layout, "trainer.total_epochs=1"), FakeCluster())
+    assert rc == 1
+    fail = _fail_line(lines, "run length")
+    assert "trainer.total_training_steps=210 but trainer.total_epochs=1 x 17290 // 128 = 135 steps" in fail
+    assert "at least 2" in fail
+    rc, lines = run(compose(layout, "trainer.total_epochs=2"), FakeCluster())
+    assert rc == 0, "\n".join(lines)
+    (line,) = [line for line in lines if " run length: " in line]
+    assert "trainer.total_training_steps=210 (135 steps per epoch, total_epochs=2)" in line
 
 
 def test_node_report_reads_token_and_loopback(tmp_path):

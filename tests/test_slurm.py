@@ -523,3 +523,31 @@ def test_single_node_job(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(ray_starts(records)) == 1
     assert [env["NNODES"] for _, env, _ in launches(records)] == ["1", "1"]
+
+
+def test_separate_async_rollout_pool_takes_its_nodes_out_of_the_allocation(tmp_path):
+    """3 nodes with a 1-node rollout pool: Ray on all 3, the trainer gets NNODES=2 (the last override wins)."""
+    args = ("trainer=separate_async", "actor_rollout_ref.rollout.nnodes=2", "actor_rollout_ref.rollout.nnodes=1")
+    proc, records = run_sbatch(tmp_path, *args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(ray_starts(records)) == len(NODES)
+    runs = launches(records)
+    assert [env["NNODES"] for _, env, _ in runs] == ["2", "2"] and [env["PREFLIGHT"] for _, env, _ in runs] == [
+        "1",
+        "0",
+    ]
+    assert all(rest == list(args) for _, _, rest in runs)
+    assert "(trainer 2, rollout pool 1)" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "arg,message",
+    [
+        ("actor_rollout_ref.rollout.nnodes=3", "leaves none of the 3 allocated node(s) to the trainer"),
+        ("+actor_rollout_ref.rollout.nnodes=two", "actor_rollout_ref.rollout.nnodes=two: expected a number of nodes"),
+    ],
+)
+def test_rollout_pool_that_does_not_fit_fails_before_any_step(tmp_path, arg, message):
+    proc, records = run_sbatch(tmp_path, "trainer=separate_async", arg)
+    assert proc.returncode != 0 and message in proc.stderr
+    assert not [r for r in records if r[0] in ("srun", "ray")]

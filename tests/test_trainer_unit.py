@@ -107,5 +107,8 @@ def test_advantage_step_feeds_entropy_and_tokens_and_skips_padding_rows():
     torch.testing.assert_close(advantages[:-1], expected)
     assert torch.count_nonzero(advantages[-1]) == 0 and torch.count_nonzero(returns[-1]) == 0
     assert torch.count_nonzero(advantages * (1 - mask)) == 0, "padding positions must stay zero"
+    # what this call saw: the 8 real rows of groups a, b, c (the padding row and its "pad" uid stay out)
+    seen = {k: metrics.pop(k) for k in ("gtpo/estimator_rows", "gtpo/estimator_groups", "gtpo/estimator_calls_total")}
+    assert seen == {"gtpo/estimator_rows": 8.0, "gtpo/estimator_groups": 3.0, "gtpo/estimator_calls_total": 1.0}
     assert metrics == expected_metrics
     assert "gtpo/conflict_token_frac" in metrics and metrics["gtpo/frac_groups_all_wrong"] == 0.0

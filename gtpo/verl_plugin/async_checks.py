@@ -20,14 +20,26 @@ verl's constraints per mode (``verl/trainer/ppo/v1/trainer_{base,separate_async}
   ``actor_rollout_ref.hybrid_engine=false`` only under ``separate_async``;
 * ``separate_async``: ``train_batch_size == parameter_sync_step * ppo_mini_batch_size``, a standalone rollout pool
   (``actor_rollout_ref.rollout.nnodes`` and ``n_gpus_per_node`` > 0), a checkpoint engine other than ``naive``,
-  and a reward model, if any, in its own resource pool.
+  and a reward model, if any, in its own resource pool;
+* the other modes never build the standalone pool, so a ``rollout.nnodes > 0`` there would book nodes for nothing.
+
+At the start of a real run and in the preflight (not in the laptop dry run), :func:`check_checkpoint_engine`
+imports the transport module of the configured checkpoint engine: verl's NCCL engine imports ``cupy`` and, when
+that fails, the workers report only "Checkpoint engine nccl not registered" at init, after Ray and the GPUs are up.
+
+:func:`startup_notes` are the decided-but-surprising cases, logged at startup and printed by the dry run: batch-scope
+statistics under ``parameter_sync_step > 1`` (verl's step computes the advantages of each slice separately).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+import re
+
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["check_trainer_mode", "verl_mode"]
+__all__ = ["check_checkpoint_engine", "check_trainer_mode", "startup_notes", "verl_mode"]
 
 # verl's own registered modes, for the checks that apply whichever class runs them.
 VERL_MODES = ("sync", "colocate_async", "separate_async")
@@ -117,6 +129,13 @@ def check_verl_mode_constraints(config: DictConfig) -> None:
             "it to 0 (the async presets do)"
         )
     if mode != "separate_async":
+        rollout_nodes = _value(config, "actor_rollout_ref.rollout.nnodes", 0) or 0
+        if rollout_nodes:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.nnodes={rollout_nodes} with trainer.v1.trainer_mode={trainer_mode}: a "
+                "standalone rollout pool exists only under trainer=separate_async (this mode would leave those nodes "
+                "idle); add trainer=separate_async or drop the override"
+            )
         return
     mini_batch = _value(config, "actor_rollout_ref.actor.ppo_mini_batch_size")
     if train_batch_size != parameter_sync_step * mini_batch:
@@ -154,3 +173,79 @@ def check_trainer_mode(config: DictConfig) -> None:
     forking = load_params(config.algorithm)
     check_recipe_needs(config, str(config.algorithm.adv_estimator), bool(forking.enable), str(forking.scope))
     check_verl_mode_constraints(config)
+
+
+# Checkpoint-engine backend -> the modules its verl engine imports (verl/checkpoint_engine/<backend>_*.py).
+ENGINE_MODULES = {"nccl": ("cupy",), "nixl": ("cupy", "nixl"), "mooncake": ("mooncake",)}
+# Where each module comes from; cupy's pin is read from verl's own metadata when it is there.
+MODULE_PACKAGES = {"cupy": "cupy-cuda13x", "nixl": "nixl", "mooncake": "mooncake-transfer-engine"}
+
+
+def _package_spec(module: str) -> str:
+    """``cupy-cuda13x==14.0.1`` as verl's wheel pins it (its cupy-cu130 extra, pulled in by fsdp), else the name."""
+    name = MODULE_PACKAGES.get(module, module)
+    try:
+        requirements = importlib.metadata.requires("verl") or []
+    except importlib.metadata.PackageNotFoundError:
+        requirements = []
+    for requirement in requirements:
+        found = re.match(rf"{re.escape(name)}\s*(==\s*[\w.]+)", requirement)
+        if found:
+            return name + found.group(1).replace(" ", "")
+    return name
+
+
+def check_checkpoint_engine(config: DictConfig) -> None:
+    """Refuse a checkpoint-engine backend whose transport module does not import in this environment.
+
+    Raises:
+        ValueError: naming the backend, the module, the import error and the package to install.
+    """
+    backend = str(OmegaConf.select(config, "actor_rollout_ref.rollout.checkpoint_engine.backend", default="naive"))
+    for module in ENGINE_MODULES.get(backend, ()):
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend}: verl's {backend} checkpoint engine "
+                f"imports {module}, which does not import here ({err}); install {_package_spec(module)} (the recipe "
+                "image, docker/Dockerfile, has it) or choose another backend"
+            ) from None
+
+
+def startup_notes(config: DictConfig) -> list[str]:
+    """Warnings for a configuration that runs but differs from what its keys suggest (see the module docstring)."""
+    from gtpo.verl_plugin.forking import load_params
+
+    trainer_mode = str(config.trainer.v1.trainer_mode)
+    mode = verl_mode(trainer_mode)
+    if mode is None:
+        return []
+    sync_step = OmegaConf.select(config, f"trainer.v1.{mode}.parameter_sync_step", default=1) or 1
+    if sync_step <= 1:
+        return []
+    estimator = str(config.algorithm.adv_estimator)
+    scopes = []
+    if estimator == "gtpo":
+        scopes += [
+            f"algorithm.gtpo.{key}=batch"
+            for key in ("norm_scope", "weight_scope")
+            if OmegaConf.select(config, f"algorithm.gtpo.{key}", default=None) == "batch"
+        ]
+    forking = load_params(config.algorithm)
+    if forking.enable and forking.scope == "batch":
+        scopes.append("algorithm.forking.scope=batch")
+    if not scopes:
+        return []
+    prompts = int(config.data.train_batch_size)
+    n = int(config.actor_rollout_ref.rollout.n)
+    per_slice = prompts // sync_step
+    logged = f"{estimator}/estimator_rows" if estimator == "gtpo" else "forking/batch_scope_rows"
+    return [
+        f"{', '.join(scopes)} with trainer.v1.{mode}.parameter_sync_step={sync_step}: verl's step computes the "
+        f"advantages of each of its {sync_step} slices on its own, so these statistics cover one slice of "
+        f"{per_slice} prompts ({per_slice * n} responses), not the step's {prompts} ({prompts * n}) as under "
+        f"trainer=sync (logged per call as {logged}). The whole-batch scope needs parameter_sync_step=1, i.e. one "
+        "update of the whole batch per step under separate_async; group scopes (norm_scope=group, weight_scope="
+        "group, forking scope=micro_batch) do not depend on it."
+    ]

@@ -14,10 +14,15 @@ Hydra composition. It catches, on a laptop, the mistakes that otherwise surface 
 4. a soft overlong punishment whose buffer is not shorter than the response (it would penalise every response;
    ``gtpo.verl_plugin.validation.check_overlong_shaping``, also run at the recipe's startup);
 5. verl's own ``verl.utils.config.validate_config``, called with ``use_reference_policy`` / ``use_critic`` computed
-   as ``verl.trainer.main_ppo`` does.
+   as ``verl.trainer.main_ppo`` does;
+6. under ``separate_async``, the standalone rollout pool's replicas tile its GPUs.
 
-Then it prints the resolved configuration and a one-screen summary of the batch plan. Every failure is a
-``ValueError`` naming the keys and values at fault.
+Then it prints the resolved configuration and a one-screen summary: the batch plan, the nodes the run needs
+(``trainer.nnodes`` + the standalone rollout pool's), the run length, the vocabulary-sized memory terms of the
+training and old-log-prob micro-batches (:mod:`gtpo.verl_plugin.memory_estimate`), whether this machine imports
+the checkpoint engine's transport (the real run and the preflight refuse it if not; the dry run only reports it,
+since a laptop is not the cluster's image) and the startup notes. Every failure is a ``ValueError`` naming the keys
+and values at fault.
 
     python -m gtpo.verl_plugin.dry_run method=gtpo model=qwen2.5_7b      # same checks through Hydra's compose API
 
@@ -208,6 +213,17 @@ def batch_plan(cfg: DictConfig, use_reference_policy: bool = False) -> dict[str,
             "enable_chunked_prefill=False: vLLM cannot schedule a full-length prompt"
         )
 
+    pool = rollout_pool(cfg)
+    if pool is not None and pool[1] > 0:  # a pool of 0 GPUs is refused by check_trainer_mode, naming the key
+        pool_nodes, pool_per_node = pool
+        if (replica > pool_per_node and replica % pool_per_node) or (
+            replica < pool_per_node and pool_per_node % replica
+        ):
+            raise ValueError(
+                f"rollout replica size {replica} (tensor x data x pipeline parallel) must tile the standalone pool's "
+                f"actor_rollout_ref.rollout.n_gpus_per_node={pool_per_node} on {pool_nodes} node(s)"
+            )
+
     return {
         "n_gpus": n_gpus,
         "sp": sp,
@@ -219,6 +235,16 @@ def batch_plan(cfg: DictConfig, use_reference_policy: bool = False) -> dict[str,
         "sequences_per_rank_per_mini_batch": per_rank,
         "dynamic_bsz": dynamic,
     }
+
+
+def rollout_pool(cfg: DictConfig) -> tuple[int, int] | None:
+    """``(nodes, GPUs per node)`` of the standalone rollout pool under separate_async, else None."""
+    from gtpo.verl_plugin.async_checks import verl_mode
+
+    if verl_mode(str(cfg.trainer.v1.trainer_mode)) != "separate_async":
+        return None
+    rollout = cfg.actor_rollout_ref.rollout
+    return int(rollout.get("nnodes") or 0), int(rollout.get("n_gpus_per_node") or 0)
 
 
 def _check_registries(cfg: DictConfig) -> None:
@@ -268,6 +294,22 @@ def _verl_validate(cfg: DictConfig) -> tuple[bool, bool, str]:
     return use_ref, use_critic, out.getvalue()
 
 
+def _checkpoint_engine_line(cfg: DictConfig) -> str:
+    """Which transport the checkpoint engine imports and whether it imports on this machine."""
+    from gtpo.verl_plugin.async_checks import ENGINE_MODULES, check_checkpoint_engine
+
+    backend = cfg.actor_rollout_ref.rollout.checkpoint_engine.backend
+    modules = ENGINE_MODULES.get(str(backend), ())
+    if not modules:
+        return f"checkpoint engine: {backend}"
+    try:
+        check_checkpoint_engine(cfg)
+        here = "imports here"
+    except ValueError:
+        here = "does NOT import here: the real run and the preflight refuse to start without it"
+    return f"checkpoint engine: {backend}, needs {', '.join(modules)}: {here}"
+
+
 def run_dry(config: DictConfig) -> None:
     """Resolve, validate and print ``config``; never starts Ray, never touches an accelerator.
 
@@ -281,7 +323,8 @@ def run_dry(config: DictConfig) -> None:
     _check_registries(cfg)
     from verl.trainer.ppo.utils import need_reference_policy
 
-    from gtpo.verl_plugin.async_checks import check_trainer_mode
+    from gtpo.verl_plugin.async_checks import check_trainer_mode, startup_notes
+    from gtpo.verl_plugin.memory_estimate import memory_lines
     from gtpo.verl_plugin.validation import check_overlong_shaping
 
     plan = batch_plan(cfg, use_reference_policy=bool(need_reference_policy(cfg)))
@@ -301,12 +344,25 @@ def run_dry(config: DictConfig) -> None:
         f"use_kl_loss={actor.use_kl_loss} use_kl_in_reward={cfg.algorithm.use_kl_in_reward} "
         f"reference_policy={use_ref} critic={use_critic} trainer_mode={cfg.trainer.v1.trainer_mode}"
     )
-    print(
-        "[dry run] resources: "
-        f"{cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node} GPU(s) = {plan['n_gpus']}; "
-        f"ulysses sp={plan['sp']} -> dp={plan['dp']}; vLLM replicas={plan['rollout_replicas']} "
-        f"(tp={cfg.actor_rollout_ref.rollout.tensor_model_parallel_size})"
-    )
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    pool = rollout_pool(cfg)
+    if pool is None:
+        print(
+            "[dry run] resources: "
+            f"{cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node} GPU(s) = {plan['n_gpus']}; "
+            f"ulysses sp={plan['sp']} -> dp={plan['dp']}; vLLM replicas={plan['rollout_replicas']} (tp={tp})"
+        )
+    else:
+        hybrid = bool(cfg.actor_rollout_ref.get("hybrid_engine", True))
+        replica = plan["n_gpus"] // plan["rollout_replicas"]
+        print(
+            "[dry run] resources: "
+            f"trainer {cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node} GPU(s) = {plan['n_gpus']} "
+            f"(ulysses sp={plan['sp']} -> dp={plan['dp']}; vLLM replicas there: "
+            f"{plan['rollout_replicas'] if hybrid else 'none, hybrid_engine=false'}) + standalone rollout pool "
+            f"{pool[0]} node(s) x {pool[1]} GPU(s) (vLLM replicas={pool[0] * pool[1] // replica}, tp={tp}): the "
+            f"cluster needs {cfg.trainer.nnodes + pool[0]} GPU nodes"
+        )
     print(
         "[dry run] batch: "
         f"{cfg.data.train_batch_size} prompts x n={cfg.actor_rollout_ref.rollout.n} = "
@@ -320,6 +376,24 @@ def run_dry(config: DictConfig) -> None:
         f"do_sample={val.do_sample}; test_freq={cfg.trainer.test_freq} val_before_train={cfg.trainer.val_before_train} "
         f"val_only={cfg.trainer.val_only}"
     )
+    steps, epochs, bsz = cfg.trainer.total_training_steps, cfg.trainer.total_epochs, int(cfg.data.train_batch_size)
+    if steps is not None:
+        per_epoch = -(-int(steps) // max(int(epochs), 1))
+        print(
+            f"[dry run] run length: trainer.total_training_steps={steps}; verl stops earlier if "
+            f"trainer.total_epochs={epochs} epochs end first, i.e. with fewer than {per_epoch} x {bsz} = "
+            f"{per_epoch * bsz:,} training prompts (the preflight counts them)"
+        )
+    else:
+        print(
+            f"[dry run] run length: trainer.total_epochs={epochs} x (training prompts // {bsz}) steps "
+            "(trainer.total_training_steps unset)"
+        )
+    for line in memory_lines(cfg):
+        print(f"[dry run] {line}")
+    print(f"[dry run] {_checkpoint_engine_line(cfg)}")
+    for note in startup_notes(cfg):
+        print(f"[dry run] note: {note}")
     buffer = OmegaConf.select(cfg, "reward.reward_kwargs.overlong_buffer_cfg", default=None)
     if buffer is not None and buffer.get("enable", False):
         max_len = cfg.reward.reward_kwargs.max_resp_len

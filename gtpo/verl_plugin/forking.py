@@ -25,8 +25,13 @@ Scopes (``algorithm.forking.scope``):
   ``rho_B * N`` with ``rho_B`` the batch's realised selected fraction, exact when the mini-batch is the batch.
 
 The mask is built under ``no_grad`` from detached entropies: no gradient flows through it. Padding is never
-selected. Metrics (loss side, logged by verl as ``actor/forking/...``): ``forking/selected_token_frac``,
-``forking/entropy_threshold``.
+selected. With ``entropy_coeff == 0`` (the preset's, and the paper's "no entropy loss") verl's ``ppo_loss`` gets the
+entropy detached as well: it would otherwise add ``0 * entropy_loss`` to the loss, and that zero gradient makes the
+backward recompute verl's checkpointed chunked entropy with autograd, keeping ``tokens x vocabulary x 4 B x 2`` (the
+fp32 copy and softmax of every chunk, ~28 GiB at the 7B preset's 24,576-token budget) plus a third logits copy
+(:mod:`gtpo.verl_plugin.memory_estimate`). The selection keeps the paper's definition: the training policy's
+entropy of this very forward pass. Metrics (loss side, logged by verl as ``actor/forking/...``):
+``forking/selected_token_frac``, ``forking/entropy_threshold``.
 """
 
 from __future__ import annotations
@@ -160,7 +165,11 @@ class ForkingPPOLoss:
         sub = data.copy()
         sub["response_mask"] = _padded_to_nested_like(selected, resp_nested)
         tu.assign_non_tensor(sub, batch_num_tokens=eff)
-        loss, metrics = ppo_loss(self.config, model_output, sub, dp_group=dp_group)
+        outputs = model_output
+        if not self.config.entropy_coeff and model_output.get("entropy", None) is not None:
+            # No entropy bonus: nothing may backpropagate into the entropy (see the module docstring).
+            outputs = {**model_output, "entropy": model_output["entropy"].detach()}
+        loss, metrics = ppo_loss(self.config, outputs, sub, dp_group=dp_group)
         extra = {
             "forking/selected_token_frac": n_sel / max(n_valid, 1),
             "forking/entropy_threshold": float(tau) if torch.isfinite(tau) else 0.0,

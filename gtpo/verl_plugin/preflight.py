@@ -6,24 +6,28 @@ submitted as a Ray job) runs :func:`main` with the launch script's overrides ins
 meet, one line per check, stopping at the first failure (exit status 1):
 
 1. ``config``: the recipe's knob validation and the whole dry run (resolution, registries, batch plan, verl's
-   ``validate_config``), on the same composed config;
+   ``validate_config``), on the same composed config, and the checkpoint engine's transport importable here
+   (cupy for ``nccl``); the startup notes follow as ``note`` lines;
 2. ``overlong buffer``: with DAPO's soft overlong punishment on, ``0 < len < max_resp_len`` (else every token of
    every response is penalised);
 3. ``train data`` / ``val data``: every file exists, is a parquet file with rows and the ``data.prompt_key`` column;
-4. ``model``: ``actor_rollout_ref.model.path`` is a local folder (not a hub id) with ``config.json``
+4. ``run length``: ``trainer.total_epochs`` epochs of the training rows hold ``trainer.total_training_steps`` steps
+   (verl stops at whichever comes first);
+5. ``model``: ``actor_rollout_ref.model.path`` is a local folder (not a hub id) with ``config.json``
    (``max_position_embeddings >= max_prompt_length + max_response_length``), tokenizer files and weights;
-5. ``trackers``: ``wandb`` in ``trainer.logger`` needs ``WANDB_API_KEY`` or ``WANDB_MODE=offline|disabled``;
-6. ``checkpoint cadence``: ``trainer.save_freq > 0`` (a Slurm time limit or a crash otherwise loses every step);
-7. ``checkpoint dir``: ``trainer.default_local_dir`` is writable here (a token file is written, removed at the end);
-8. ``ray cluster``: the GPU nodes and their GPUs match ``trainer.nnodes`` x ``trainer.n_gpus_per_node``, no node
-   on a loopback address (RAY_ADDRESS set: the Ray cluster; unset: this machine through ``nvidia-smi -L``);
-9. ``checkpoint shared``: every node reads the token file back with the same content;
-10. ``driver``: every node's NVIDIA driver major version >= ``MIN_DRIVER_VERSION`` (580: the image's CUDA 13.0);
-11. ``interfaces``: ``GLOO_SOCKET_IFNAME`` (one name), ``NCCL_SOCKET_IFNAME`` (unless a ``^`` exclusion list) and
+6. ``trackers``: ``wandb`` in ``trainer.logger`` needs ``WANDB_API_KEY`` or ``WANDB_MODE=offline|disabled``;
+7. ``checkpoint cadence``: ``trainer.save_freq > 0`` (a Slurm time limit or a crash otherwise loses every step);
+8. ``checkpoint dir``: ``trainer.default_local_dir`` is writable here (a token file is written, removed at the end);
+9. ``ray cluster``: the GPU nodes and their GPUs match ``trainer.nnodes`` x ``trainer.n_gpus_per_node``, plus
+   ``actor_rollout_ref.rollout.nnodes`` x ``n_gpus_per_node`` under separate_async, no node on a loopback address
+   (RAY_ADDRESS set: the Ray cluster; unset: this machine through ``nvidia-smi -L``);
+10. ``checkpoint shared``: every node reads the token file back with the same content;
+11. ``driver``: every node's NVIDIA driver major version >= ``MIN_DRIVER_VERSION`` (580: the image's CUDA 13.0);
+12. ``interfaces``: ``GLOO_SOCKET_IFNAME`` (one name), ``NCCL_SOCKET_IFNAME`` (unless a ``^`` exclusion list) and
     ``RAY_NETWORK_INTERFACE`` exist on every node with a non-loopback IPv4 address.
 
 Node-side facts come from :func:`node_report`, run once on every node (a Ray task pinned to each node). The module
-is a little over 400 lines because the eleven checks and their messages belong together; each is a short function.
+is over 400 lines because the twelve checks and their messages belong together; each is a short function.
 """
 
 from __future__ import annotations
@@ -156,6 +160,7 @@ def _as_list(value: Any) -> list[str]:
 
 
 def _check_config(cfg: DictConfig) -> str:
+    from gtpo.verl_plugin.async_checks import check_checkpoint_engine
     from gtpo.verl_plugin.dry_run import run_dry
     from gtpo.verl_plugin.validation import validate_recipe_config
 
@@ -163,6 +168,7 @@ def _check_config(cfg: DictConfig) -> str:
         validate_recipe_config(cfg)
         with contextlib.redirect_stdout(io.StringIO()) as out:
             run_dry(cfg)
+        check_checkpoint_engine(cfg)
     except ValueError as err:
         raise PreflightError("config", str(err)) from None
     summary = [line for line in out.getvalue().splitlines() if line.startswith("[dry run] resources")]
@@ -180,6 +186,36 @@ def _check_overlong(cfg: DictConfig) -> str:
     except ValueError as err:
         raise PreflightError("overlong buffer", str(err)) from None
     return f"len={buffer.get('len')} < max_resp_len={OmegaConf.select(cfg, 'reward.reward_kwargs.max_resp_len')}"
+
+
+def _parquet_rows(files: list[str]) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(path).metadata.num_rows for path in files)
+
+
+def _check_run_length(cfg: DictConfig, rows: int) -> str:
+    """verl runs min(total_epochs x (rows // train_batch_size), total_training_steps) steps."""
+    batch, epochs = int(cfg.data.train_batch_size), int(cfg.trainer.total_epochs)
+    steps = cfg.trainer.get("total_training_steps", None)
+    cap = int(cfg.data.get("train_max_samples", -1) or -1)
+    rows = min(rows, cap) if cap > 0 else rows
+    per_epoch = rows // batch
+    if per_epoch == 0:
+        raise PreflightError(
+            "run length", f"data.train_files hold {rows} prompts < data.train_batch_size={batch}: no training step"
+        )
+    if steps is None:
+        return f"trainer.total_epochs={epochs} x {per_epoch} steps per epoch = {epochs * per_epoch} steps"
+    if epochs * per_epoch < int(steps):
+        raise PreflightError(
+            "run length",
+            f"trainer.total_training_steps={steps} but trainer.total_epochs={epochs} x {rows} // {batch} = "
+            f"{epochs * per_epoch} steps: verl stops at the first of the two, and without the last step's checkpoint "
+            f"and validation; raise trainer.total_epochs to at least {-(-int(steps) // per_epoch)} (or drop the "
+            "override)",
+        )
+    return f"trainer.total_training_steps={steps} ({per_epoch} steps per epoch, total_epochs={epochs})"
 
 
 def _check_parquet(item: str, key: str, files: list[str], prompt_key: str) -> str:
@@ -240,24 +276,46 @@ def _check_trackers(cfg: DictConfig, env: dict[str, str]) -> str:
 
 
 def _check_cluster(cfg: DictConfig, nodes: list[dict[str, Any]], remote: bool) -> str:
-    want_nodes, want_gpus = int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node)
+    from gtpo.verl_plugin.dry_run import rollout_pool
+
+    trainer_nodes, want_gpus = int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node)
+    pool_nodes, pool_gpus = rollout_pool(cfg) or (0, 0)
+    want_nodes = trainer_nodes + pool_nodes
+    wanted = f"trainer.nnodes={trainer_nodes}"
+    if pool_nodes:
+        wanted += (
+            f" + actor_rollout_ref.rollout.nnodes={pool_nodes} = {want_nodes} (separate_async: the standalone rollout "
+            "pool has nodes of its own; under Slurm pass actor_rollout_ref.rollout.nnodes to the sbatch, which gives "
+            "the trainer the allocation minus the pool)"
+        )
     if not remote and want_nodes > 1:
-        raise PreflightError("ray cluster", f"trainer.nnodes={want_nodes} but RAY_ADDRESS is unset: run on the cluster")
+        raise PreflightError("ray cluster", f"{wanted} but RAY_ADDRESS is unset: run on the cluster")
     for node in nodes:
         if node["address"] and str(node["address"]).startswith("127."):
             raise PreflightError("ray cluster", f"node {node['node']} joined on loopback address {node['address']}")
     gpu_nodes = [n for n in nodes if n["gpus"] > 0]
     if len(gpu_nodes) != want_nodes:
         raise PreflightError(
-            "ray cluster",
-            f"{len(gpu_nodes)} GPU node(s) {[n['node'] for n in gpu_nodes]} != trainer.nnodes={want_nodes}",
+            "ray cluster", f"{len(gpu_nodes)} GPU node(s) {[n['node'] for n in gpu_nodes]} != {wanted}"
         )
-    for node in gpu_nodes:
+    # The trainer's pool takes the nodes with the most GPUs; the rollout pool the rest.
+    ranked = sorted(gpu_nodes, key=lambda n: -n["gpus"])
+    for node in ranked[:trainer_nodes]:
         if node["gpus"] < want_gpus:
             raise PreflightError(
                 "ray cluster", f"node {node['node']} has {node['gpus']} GPU(s) < trainer.n_gpus_per_node={want_gpus}"
             )
-    return f"{want_nodes} GPU node(s) x >= {want_gpus} GPU(s)" + (f", {len(nodes)} node(s) in all" if remote else "")
+    for node in ranked[trainer_nodes:]:
+        if node["gpus"] < pool_gpus:
+            raise PreflightError(
+                "ray cluster",
+                f"node {node['node']} has {node['gpus']} GPU(s) < "
+                f"actor_rollout_ref.rollout.n_gpus_per_node={pool_gpus}",
+            )
+    shape = f"{trainer_nodes} GPU node(s) x >= {want_gpus} GPU(s)"
+    if pool_nodes:
+        shape += f" + rollout pool {pool_nodes} x >= {pool_gpus}"
+    return shape + (f", {len(nodes)} node(s) in all" if remote else "")
 
 
 def _check_shared(reports: list[dict[str, Any]], token: str, path: Path) -> str:
@@ -327,6 +385,8 @@ def run_preflight(cfg: DictConfig, cluster: Any, env: dict[str, str] | None = No
         env: the environment to judge (default ``os.environ``).
         out: stream for the report (default stdout).
     """
+    from gtpo.verl_plugin.async_checks import startup_notes
+
     env = dict(os.environ if env is None else env)
     out = out or sys.stdout
     start = time.monotonic()
@@ -344,11 +404,15 @@ def run_preflight(cfg: DictConfig, cluster: Any, env: dict[str, str] | None = No
     try:
         check("config", lambda: _check_config(cfg))
         resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        for note in startup_notes(resolved):
+            print(f"[preflight] note {note}", file=out, flush=True)
         prompt_key = str(resolved.data.get("prompt_key", "prompt"))
         check("overlong buffer", lambda: _check_overlong(resolved))
         for item, key in (("train data", "data.train_files"), ("val data", "data.val_files")):
             files = _as_list(OmegaConf.select(resolved, key))
             check(item, lambda item=item, key=key, files=files: _check_parquet(item, key, files, prompt_key))
+        train_rows = _parquet_rows(_as_list(resolved.data.train_files))
+        check("run length", lambda: _check_run_length(resolved, train_rows))
         check("model", lambda: _check_model(resolved))
         check("trackers", lambda: _check_trackers(resolved, env))
 

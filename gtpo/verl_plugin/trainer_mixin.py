@@ -13,6 +13,12 @@ recipe's estimators (``gtpo``, ``grpo_s``, ``gtpo_traj``) it:
    statistics);
 4. writes advantages and returns back, as the base method does.
 
+Each call also logs how much of the batch it saw, ``<estimator>/estimator_rows`` (responses) and
+``<estimator>/estimator_groups`` (prompts), and ``<estimator>/estimator_calls_total`` (calls per step): under
+``separate_async`` verl's step calls the advantage computation once per ``parameter_sync_step`` slice, so the
+batch-scope statistics cover a slice, not the step (verl's metrics aggregator averages the first two over the calls
+and sums the third). The forking loss's ``scope=batch`` threshold logs ``forking/batch_scope_rows`` likewise.
+
 Every other estimator (``grpo``, ``gae``, ...) goes through the base method unchanged, so baselines run the
 exact verl code path. Also here: DAPO's ``max_num_gen_batches`` round limit (sync only: verl 0.9.1 ignores it),
 the forking-token loss in the actor workers (``algorithm.forking.enable``), per-token dumps and tracker heatmaps
@@ -191,6 +197,8 @@ class GTPOTrainerMixin:
             batch.extra_info.update(info)
             metrics["forking/batch_entropy_threshold"] = info[forking.THRESHOLD_KEY]
             metrics["forking/batch_selected_frac"] = info[forking.FRACTION_KEY]
+            # the rows the quantile was taken over: the step's batch, or one parameter_sync_step slice of it
+            metrics["forking/batch_scope_rows"] = float(sum(not t.get("is_padding", False) for t in batch.tags))
         return super()._update_actor(batch, metrics)
 
     def _log_rollout_data(self, batch: KVBatchMeta, timing_raw: dict, rollout_data_dir: str):
@@ -301,11 +309,17 @@ class GTPOTrainerMixin:
         def real_rows(name: str) -> torch.Tensor | None:
             return data.batch[name][rows] if name in data.batch.keys() else None
 
-        estimator = get_adv_estimator_fn(str(algorithm.adv_estimator))
+        name = str(algorithm.adv_estimator)
+        estimator = get_adv_estimator_fn(name)
+        index = data.non_tensor_batch["uid"][rows.numpy()]
+        # What the batch-scope statistics of this call cover (one parameter_sync_step slice under separate_async).
+        metrics[f"{name}/estimator_rows"] = float(len(index))
+        metrics[f"{name}/estimator_groups"] = float(len(set(index.tolist())))
+        metrics[f"{name}/estimator_calls_total"] = 1.0
         adv_real, ret_real = estimator(
             token_level_rewards=token_level_rewards[rows],
             response_mask=data.batch["response_mask"][rows],
-            index=data.non_tensor_batch["uid"][rows.numpy()],
+            index=index,
             config=algorithm,
             entropy=real_rows("entropy"),
             responses=real_rows("responses"),

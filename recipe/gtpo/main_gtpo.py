@@ -11,6 +11,7 @@ mode, and (3) runs a TaskRunner that imports the plugin itself before building t
 
 from __future__ import annotations
 
+import logging
 import os
 
 import hydra
@@ -24,6 +25,8 @@ from verl.utils.device import auto_set_device
 from gtpo.verl_plugin.config import merge_module_list
 
 PLUGIN_MODULE = "gtpo.verl_plugin.register"
+
+logger = logging.getLogger(__name__)
 
 
 def add_plugin_to_runtime_env(config: DictConfig) -> None:
@@ -51,13 +54,23 @@ class GTPOTaskRunner(TaskRunnerV1.__ray_actor_class__):
         return super().run(config)
 
 
-def prepare_config(config: DictConfig) -> None:
-    """Everything that must pass before Ray starts: recipe knobs, verl's own validation, the plugin env."""
+def prepare_config(config: DictConfig, dry_run: bool = False) -> None:
+    """Everything that must pass before Ray starts: recipe knobs, verl's own validation, the plugin env.
+
+    A real run (``dry_run=False``) also checks that this environment imports the checkpoint engine's transport
+    (cupy for ``nccl``), and logs the startup notes; the dry run prints those itself, on a machine that is usually
+    not the cluster's image.
+    """
+    from gtpo.verl_plugin.async_checks import check_checkpoint_engine, startup_notes
     from gtpo.verl_plugin.validation import validate_recipe_config
 
     auto_set_device(config)
     validate_recipe_config(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    if not dry_run:
+        check_checkpoint_engine(config)
+        for note in startup_notes(config):
+            logger.warning("gtpo: %s", note)
     add_plugin_to_runtime_env(config)
 
 
@@ -68,7 +81,7 @@ def main(config: DictConfig) -> None:
     if os.environ.get("DRY_RUN", "0").lower() in ("1", "true", "yes"):
         from gtpo.verl_plugin.dry_run import run_dry
 
-        prepare_config(config)
+        prepare_config(config, dry_run=True)
         run_dry(config)
         return
     prepare_config(config)
