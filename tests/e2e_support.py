@@ -71,7 +71,8 @@ class RayCluster:
             if probe.returncode == 0:
                 return
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ray head exited with {self.proc.returncode}; see {log.name}")
+                log.close()
+                raise RuntimeError(f"ray head exited with {self.proc.returncode}:\n{tail(Path(log.name).read_text())}")
             time.sleep(2)
         raise TimeoutError(f"ray head at {self.address} not ready after {timeout} s")
 

@@ -114,7 +114,7 @@ def test_staleness_is_logged_beside_the_estimator_metrics():
         pass
 
     for estimator, expect in (("gtpo_traj", True), ("grpo", False)):
-        trainer = Trainer()
+        trainer = Trainer.__new__(Trainer)  # no verl trainer to construct: only the metric hook runs
         trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": estimator}})
         metrics: dict = {}
         trainer._compute_metrics(None, metrics, {}, global_steps=2, epoch=0)
@@ -201,7 +201,9 @@ def test_colocate_async_advantages_equal_sync_on_the_same_batch(method, monkeypa
     assert any(torch.count_nonzero(a) for a in sync_adv), "a batch with all-zero advantages would prove nothing"
     for a, b in zip(sync_adv, async_adv, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert sync_metrics == async_metrics and any(k.startswith(f"{method}/") for k in async_metrics)
+    # the kernel's compile time is reported by the first call in the process only
+    same = lambda metrics: {k: v for k, v in metrics.items() if not k.endswith("/kernel_compile_s")}  # noqa: E731
+    assert same(sync_metrics) == same(async_metrics) and any(k.startswith(f"{method}/") for k in async_metrics)
     # the entropy reached the estimator: other entropies give other advantages
     shifted = {k: dict(v, entropy=v["entropy"] * 2.0) for k, v in rows.items()}
     other, _ = _advantages(async_trainer, monkeypatch, shifted, meta)

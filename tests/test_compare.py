@@ -1,5 +1,5 @@
 """The comparison harness (python -m gtpo.cpu.compare): its configurations, its aggregation over seeds by hand, and
-a tiny sweep (grpo_s and dapo_forking, one seed, two steps) through verl's real trainer writing the table and figure."""
+a tiny sweep (grpo_s, one seed, two steps) through verl's real trainer writing the table and figure."""
 
 from __future__ import annotations
 
@@ -105,13 +105,13 @@ def test_task_option(capsys):
     assert "invalid choice: 'third_word'" in capsys.readouterr().err
 
 
-# The two methods whose own code runs in verl's workers (a policy loss), not only in the trainer's estimator.
-E2E_CONFIGS = ("grpo_s_zero_fill", "dapo_forking")
+# GRPO-S: its own code runs in the trainer (the estimator) and in verl's actor workers (the sequence-level loss).
+E2E_CONFIGS = ("grpo_s_zero_fill",)
 
 
 @pytest.mark.e2e
 def test_tiny_sweep_through_verl_writes_the_table_and_the_figure(ray_cluster, tmp_path):
-    """grpo_s and dapo_forking, one seed, two steps each, on the second task, on the session's Ray cluster."""
+    """grpo_s, one seed, two steps, on the second task, on the session's Ray cluster."""
     out = tmp_path / "cmp"
     rc = compare.main(
         ["--configs", ",".join(E2E_CONFIGS), "--seeds", "1", "--steps", "2", "--window", "2", "--out", str(out)]
@@ -130,12 +130,6 @@ def test_tiny_sweep_through_verl_writes_the_table_and_the_figure(ray_cluster, tm
     # the method's own code ran: GRPO-S's estimator in the trainer and its sequence-level loss in the actor worker ...
     grpo_s = [json.loads(line)["data"] for line in (out / "grpo_s_zero_fill" / "s0" / "metrics.jsonl").open()]
     assert {"grpo_s/adv_abs_mean", "grpo_s/conservation_err", "actor/grpo_s/seq_clipfrac"} <= set(grpo_s[-1])
-    # ... and the forking loss, on the top 20% of tokens by entropy (fp32 actor: distinct entropies, so the selected
-    # share is ceil(0.2 n) / n)
-    forking = [json.loads(line)["data"] for line in (out / "dapo_forking" / "s0" / "metrics.jsonl").open()]
-    fracs = [d["actor/forking/selected_token_frac"] for d in forking]
-    assert len(fracs) == 2 and all(0.2 <= f <= 0.3 for f in fracs), fracs
-    assert all(d["actor/forking/entropy_threshold"] > 0 for d in forking)
     # verl's reward workers scored the second word: every dumped sample, and some where the first word would differ
     samples = [
         json.loads(line)
@@ -143,12 +137,12 @@ def test_tiny_sweep_through_verl_writes_the_table_and_the_figure(ray_cluster, tm
         for dump in sorted((out / c / "s0" / "rollouts").glob("[0-9]*.jsonl"))  # verl's <step>.jsonl, not tokens_*
         for line in dump.read_text().splitlines()
     ]
-    assert len(samples) == 2 * 2 * 8 * 16
+    assert len(samples) == len(E2E_CONFIGS) * 2 * 8 * 16
     for s in samples:
         assert s["score"] == demo.score_response(s["output"], s["gts"], word_index=1), s
     assert any(demo.score_response(s["output"], s["gts"]) != s["score"] for s in samples)
     table = (out / "results.md").read_text()
     assert table.startswith("Task second_word, 2 steps per run")
-    assert "| grpo_s_zero_fill | 1/1 |" in table and "| dapo_forking | 1/1 |" in table
+    assert "| grpo_s_zero_fill | 1/1 |" in table
     png = (out / "rewards.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

@@ -1,8 +1,8 @@
-"""verl 0.9.1's real PPO trainer on CPU, through the recipe's entry point: GTPO with a resume, DAPO's dynamic sampling.
+"""verl 0.9.1's real PPO trainer on CPU, through the recipe's entry point: GTPO with a resume, DAPO, DAPO w/ forking.
 
     GTPO_SLOW_TESTS=1 .venv/bin/python -m pytest -q -m e2e tests/test_e2e_trainer.py
 
-The slow tier (tests/conftest.py). In the default tier every method runs elsewhere: grpo_s and dapo_forking in
+The slow tier (tests/conftest.py). In the default tier the recipe's methods run elsewhere: grpo_s in
 tests/test_compare.py, gtpo under colocate_async in tests/test_e2e_vllm.py, gtpo_traj with kills and a resume in
 tests/test_e2e_resume.py.
 
@@ -107,3 +107,13 @@ def test_dapo_two_steps(cluster, tiny_assets, tmp_path):
     assert_ran(result, steps=2)
     # dynamic sampling ran (verl's filter with the recipe's round limit)
     assert result.series("training/filter_groups/num_gen_batches"), "no generation-round metric logged"
+
+
+def test_dapo_forking_two_steps(cluster, tiny_assets, tmp_path):
+    result = run_recipe(cluster, tmp_path, base_overrides(tiny_assets) + ["method=dapo_forking", *DAPO_TINY])
+    assert_ran(result, steps=2)
+    # the top 20% of tokens by entropy (the CPU backend's fp32 actor: distinct entropies, so the selected share is
+    # ceil(0.2 n) / n; bf16 would round most of a random model's entropies, near ln|V|, into ties)
+    fracs = result.series("actor/forking/selected_token_frac")
+    assert fracs and all(0.2 <= f <= 0.3 for f in fracs), fracs
+    assert result.series("actor/forking/entropy_threshold")

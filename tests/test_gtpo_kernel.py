@@ -244,7 +244,10 @@ def test_compile_time_is_reported_on_the_first_call_only():
 def test_registering_the_plugin_imports_no_kernel():
     """verl imports the plugin in every Ray process; only the one that computes advantages loads (and compiles) a
     kernel, on its first call."""
-    probe = "import sys, gtpo.verl_plugin.register; print([m for m in sys.modules if m.endswith('_kernel')])"
+    probe = (
+        "import sys, gtpo.verl_plugin.register; "
+        "print([m for m in sys.modules if m.startswith('gtpo.') and m.endswith('_kernel')])"
+    )
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == "[]"

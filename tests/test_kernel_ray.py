@@ -73,6 +73,9 @@ def runner_cls(ray_session):
             pid = os.fork()
             if pid == 0:  # pragma: no cover - child
                 try:
+                    # GNU OpenMP's thread pool does not survive a fork: a child of a process that ran torch's
+                    # parallel regions must use one torch thread (torch's own rule; its first fill would hang)
+                    torch.set_num_threads(1)
                     _run_all(*batch)
                     os._exit(0)
                 except BaseException:

@@ -29,56 +29,60 @@ TOWER = r"\dfrac{5^{(5^{(5^{(5^5)})}-4)}-5}{16}"
 MB = 1_000_000
 
 # (response, gold, expected acc, expected grade_status or None for "ok", wall-time bound in seconds)
+# Grading limit per call, and the wall-time bound of a call that may use it all (plus a worker restart): generous,
+# since the trainer runs of the other test worker share the 2 cores; the bound of 2 s is for inputs refused unparsed.
+LIMIT_S = 10
+BOUND_S = LIMIT_S + 4
 CASES = [
-    (r"So \boxed{\dfrac{1}{2}}.", r"\frac{1}{2}", True, "ok", 8),
-    (r"\boxed{0.5}", r"\frac12", True, "ok", 8),
-    (r"\boxed{\frac{2}{4}}", r"\frac{1}{2}", True, "ok", 8),
-    (r"\boxed{\frac{1}{3}}", r"\frac{1}{2}", False, "ok", 8),
-    (r"\boxed{-3}", "-3", True, "ok", 8),
-    (r"\boxed{3}", "-3", False, "ok", 8),
-    (r"\boxed{(1,2]}", "(1,2]", True, "ok", 8),
-    (r"\boxed{[1,2]}", "(1,2]", False, "ok", 8),
-    (r"\boxed{[-2,\infty)}", r"[-2,\infty)", True, "ok", 8),
-    (r"first \boxed{3}, finally \boxed{4}", "4", True, "ok", 8),
-    (r"first \boxed{3}, finally \boxed{4}", "3", False, "ok", 8),
+    (r"So \boxed{\dfrac{1}{2}}.", r"\frac{1}{2}", True, "ok", BOUND_S),
+    (r"\boxed{0.5}", r"\frac12", True, "ok", BOUND_S),
+    (r"\boxed{\frac{2}{4}}", r"\frac{1}{2}", True, "ok", BOUND_S),
+    (r"\boxed{\frac{1}{3}}", r"\frac{1}{2}", False, "ok", BOUND_S),
+    (r"\boxed{-3}", "-3", True, "ok", BOUND_S),
+    (r"\boxed{3}", "-3", False, "ok", BOUND_S),
+    (r"\boxed{(1,2]}", "(1,2]", True, "ok", BOUND_S),
+    (r"\boxed{[1,2]}", "(1,2]", False, "ok", BOUND_S),
+    (r"\boxed{[-2,\infty)}", r"[-2,\infty)", True, "ok", BOUND_S),
+    (r"first \boxed{3}, finally \boxed{4}", "4", True, "ok", BOUND_S),
+    (r"first \boxed{3}, finally \boxed{4}", "3", False, "ok", BOUND_S),
     ("The answer is 5", "5", False, "no_answer", 2),
     ("", "5", False, "no_answer", 2),
     (None, "5", False, "no_answer", 2),
     (r"\boxed{}", "5", False, "no_answer", 2),
     (r"\boxed{5", "5", False, "unclosed", 2),
-    ("x" * MB + r" \boxed{7}", "7", True, "ok", 8),
-    (r"\boxed{" + "1" * 100_000 + "}", "1", False, "too_long", 8),
+    ("x" * MB + r" \boxed{7}", "7", True, "ok", BOUND_S),
+    (r"\boxed{" + "1" * 100_000 + "}", "1", False, "too_long", BOUND_S),
     # only the response's tail is searched: a box opening 1 MB before the end is not seen
-    (r"\boxed{" + "1" * MB + "}", "1", False, "no_answer", 8),
-    ("word " * (MB // 5), "7", False, "no_answer", 8),
-    (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt3}{2}", True, "ok", 8),
-    (r"\boxed{\{1,2\}}", r"\{1,2\}", True, "ok", 8),
-    (r"\boxed{" + TOWER + "}", "5", False, "timeout", 8),
-    ("Reasoning...\nAnswer: 34", "34", True, "ok", 8),
-    ("**Answer:** $\\frac{3}{4}$", r"\frac34", True, "ok", 8),
-    (r"Answer: \boxed{12}", "12", True, "ok", 8),
-    ("We get \\boxed{3} first.\nAnswer: 5", "5", True, "ok", 8),
-    ("Answer: 3 was wrong; recheck: \\boxed{5}", "5", True, "ok", 8),
-    ("答案\nAnswer：5", "5", True, "ok", 8),
-    ("## Final Answer: 8", "8", True, "ok", 8),
+    (r"\boxed{" + "1" * MB + "}", "1", False, "no_answer", BOUND_S),
+    ("word " * (MB // 5), "7", False, "no_answer", BOUND_S),
+    (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt3}{2}", True, "ok", BOUND_S),
+    (r"\boxed{\{1,2\}}", r"\{1,2\}", True, "ok", BOUND_S),
+    (r"\boxed{" + TOWER + "}", "5", False, "timeout", BOUND_S),
+    ("Reasoning...\nAnswer: 34", "34", True, "ok", BOUND_S),
+    ("**Answer:** $\\frac{3}{4}$", r"\frac34", True, "ok", BOUND_S),
+    (r"Answer: \boxed{12}", "12", True, "ok", BOUND_S),
+    ("We get \\boxed{3} first.\nAnswer: 5", "5", True, "ok", BOUND_S),
+    ("Answer: 3 was wrong; recheck: \\boxed{5}", "5", True, "ok", BOUND_S),
+    ("答案\nAnswer：5", "5", True, "ok", BOUND_S),
+    ("## Final Answer: 8", "8", True, "ok", BOUND_S),
     # "answer:" inside prose is not the DAPO answer line; the earlier box stands
-    ("So \\boxed{44}.\nWe may check our answer: $17 \\cdot 44 = 748$.", "44", True, "ok", 8),
-    (r"\boxed{10\text{ cm}}", "10", True, "ok", 8),
-    (r"\boxed{50\%}", "50", True, "ok", 8),
-    (r"\boxed{50}", r"50\%", True, "ok", 8),
-    (r"\boxed{90^\circ}", "90", True, "ok", 8),
-    (r"\boxed{x=5}", "5", True, "ok", 8),
-    (r"\boxed{1,000}", "1000", True, "ok", 8),
-    (r"\boxed{2^{1/2}}", r"\sqrt{2}", True, "ok", 8),
-    (r"\boxed 5", "5", True, "ok", 8),
-    (r"\fbox{5}", "5", True, "ok", 8),
-    (r"\boxed{5.}", "5", True, "ok", 8),
-    (r"\boxed{3.14159}", r"\pi", False, "ok", 8),
-    (r"\boxed{\left(3, \frac{\pi}{2}\right)}", r"\left( 3, \frac{\pi}{2} \right)", True, "ok", 8),
-    (r"\boxed{3+4}", "7", True, "ok", 8),
-    (r"\boxed{\frac{}{}}", "1", False, "parse_error", 8),
-    (r"\boxed{7}", r"\boxed{7}", True, "ok", 8),
-    (r"\boxed{\infty}", r"\infty", True, "ok", 8),
+    ("So \\boxed{44}.\nWe may check our answer: $17 \\cdot 44 = 748$.", "44", True, "ok", BOUND_S),
+    (r"\boxed{10\text{ cm}}", "10", True, "ok", BOUND_S),
+    (r"\boxed{50\%}", "50", True, "ok", BOUND_S),
+    (r"\boxed{50}", r"50\%", True, "ok", BOUND_S),
+    (r"\boxed{90^\circ}", "90", True, "ok", BOUND_S),
+    (r"\boxed{x=5}", "5", True, "ok", BOUND_S),
+    (r"\boxed{1,000}", "1000", True, "ok", BOUND_S),
+    (r"\boxed{2^{1/2}}", r"\sqrt{2}", True, "ok", BOUND_S),
+    (r"\boxed 5", "5", True, "ok", BOUND_S),
+    (r"\fbox{5}", "5", True, "ok", BOUND_S),
+    (r"\boxed{5.}", "5", True, "ok", BOUND_S),
+    (r"\boxed{3.14159}", r"\pi", False, "ok", BOUND_S),
+    (r"\boxed{\left(3, \frac{\pi}{2}\right)}", r"\left( 3, \frac{\pi}{2} \right)", True, "ok", BOUND_S),
+    (r"\boxed{3+4}", "7", True, "ok", BOUND_S),
+    (r"\boxed{\frac{}{}}", "1", False, "parse_error", BOUND_S),
+    (r"\boxed{7}", r"\boxed{7}", True, "ok", BOUND_S),
+    (r"\boxed{\infty}", r"\infty", True, "ok", BOUND_S),
 ]
 
 
@@ -91,7 +95,7 @@ def warm_pool():
 @pytest.mark.parametrize("response,gold,acc,status,bound", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_grading_cases(response, gold, acc, status, bound):
     t0 = time.monotonic()
-    out = compute_score("math", response, gold, timeout_s=4)
+    out = compute_score("math", response, gold, timeout_s=LIMIT_S)
     elapsed = time.monotonic() - t0
     assert out["acc"] is acc, out
     assert out["grade_status"] == status, out

@@ -106,10 +106,11 @@ def run_trainer_with_progress(
     start = time.monotonic()
     tracker = ProgressTracker(total_steps, start)
     printed_bucket = -1
+    printed_text = ""
     width = 0
 
     def show(final: bool = False) -> None:
-        nonlocal printed_bucket, width
+        nonlocal printed_bucket, printed_text, width
         now = time.monotonic()
         step, values = latest_metrics(metrics_path, (reward_key, ENTROPY_KEY))
         tracker.update(step, now)
@@ -128,8 +129,9 @@ def run_trainer_with_progress(
             stream.flush()
             return
         bucket = tracker.step * 10 // max(total_steps, 1)
-        if final or bucket > printed_bucket:
-            printed_bucket = bucket
+        # the final line is always shown, but never twice in a row (the last step's line may already say it all)
+        if (final and text != printed_text) or bucket > printed_bucket:
+            printed_bucket, printed_text = bucket, text
             stream.write(text + "\n")
             stream.flush()
 
