@@ -65,6 +65,16 @@ def pytest_xdist_make_scheduler(config, log):
     return RayGroupScheduling(config, log)
 
 
+# Ray starts its workers at niceness 15 (its default worker_niceness): the trainer runs' processes would lose the
+# cores to the other test worker's dry runs and starve. That worker takes the same niceness at its first test.
+RAY_WORKER_NICENESS = 15
+
+
+def pytest_runtest_setup(item):
+    if hasattr(item.config, "workerinput") and not _uses_ray(item) and os.nice(0) < RAY_WORKER_NICENESS:
+        os.nice(RAY_WORKER_NICENESS - os.nice(0))
+
+
 def pytest_collection_modifyitems(config, items):
     ray_items = [item for item in items if _uses_ray(item)]
     # The Ray group first: it is the longest chain of the run.

@@ -86,7 +86,7 @@ def test_kill_9_during_step_6_then_a_kill_during_its_save_then_resume_keeps_ever
 
     first = RunningRecipe(ray_cluster, tmp_path, overrides, name="first", log_env=log_env)
     steps_logged = lambda: [r["step"] for r in read_metrics(metrics)]  # noqa: E731
-    first.wait_until(lambda: 5 in steps_logged() and _dump_complete(dumps / "5.jsonl", dumps / "1.jsonl"), timeout=600)
+    first.wait_until(lambda: 5 in steps_logged() and _dump_complete(dumps / "5.jsonl", dumps / "1.jsonl"), timeout=900)
     killed = first.kill_job()
     assert killed, f"no Ray worker pid found in the driver's log:\n{tail(first.log)}"
     tracker = (ckpt / TRACKER_FILE).read_text().strip()
