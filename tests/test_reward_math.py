@@ -31,7 +31,7 @@ MB = 1_000_000
 # (response, gold, expected acc, expected grade_status or None for "ok", wall-time bound in seconds)
 # Grading limit per call, and the wall-time bound of a call that may use it all (plus a worker restart): generous,
 # since the trainer runs of the other test worker share the 2 cores; the bound of 2 s is for inputs refused unparsed.
-LIMIT_S = 10
+LIMIT_S = 20
 BOUND_S = LIMIT_S + 4
 CASES = [
     (r"So \boxed{\dfrac{1}{2}}.", r"\frac{1}{2}", True, "ok", BOUND_S),
