@@ -76,6 +76,23 @@ class RayCluster:
             time.sleep(2)
         raise TimeoutError(f"ray head at {self.address} not ready after {timeout} s")
 
+    def wait_until_free(self, timeout: float = 180.0) -> None:
+        """Wait while an earlier job still holds the cluster's GPU slot (a run killed by a timeout frees it only once
+        Ray has noticed its driver is gone), so one timed-out run does not fail the next launches too."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                probe = subprocess.run(
+                    [RAY, "status", f"--address={self.address}"], capture_output=True, text=True, env=cluster_env(),
+                    timeout=60,
+                )  # fmt: skip
+            except subprocess.TimeoutExpired:
+                return
+            used = re.search(r"([0-9.]+)/([0-9.]+) GPU", probe.stdout)
+            if probe.returncode != 0 or used is None or float(used.group(1)) == 0.0:
+                return
+            time.sleep(5)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -112,6 +129,7 @@ def _recipe_launch(
     from gtpo.cpu import env as cpu_env
 
     workdir.mkdir(parents=True, exist_ok=True)
+    cluster.wait_until_free()
     metrics_path = workdir / f"{metrics_name or name}.metrics.jsonl"
     log_path = workdir / f"{name}.log"
     env = dict(os.environ)
