@@ -65,10 +65,7 @@ class RayCluster:
         self.proc = subprocess.Popen(cmd, env=cluster_env(), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            probe = subprocess.run(
-                [RAY, "status", f"--address={self.address}"], capture_output=True, env=cluster_env(), timeout=60
-            )
-            if probe.returncode == 0:
+            if self.status().returncode == 0:
                 return
             if self.proc.poll() is not None:
                 log.close()
@@ -76,16 +73,19 @@ class RayCluster:
             time.sleep(2)
         raise TimeoutError(f"ray head at {self.address} not ready after {timeout} s")
 
+    def status(self) -> subprocess.CompletedProcess:
+        """``ray status`` of this cluster (text output)."""
+        return subprocess.run(
+            [RAY, "status", f"--address={self.address}"], capture_output=True, text=True, env=cluster_env(), timeout=60
+        )
+
     def wait_until_free(self, timeout: float = 180.0) -> None:
         """Wait while an earlier job still holds the cluster's GPU slot (a run killed by a timeout frees it only once
         Ray has noticed its driver is gone), so one timed-out run does not fail the next launches too."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                probe = subprocess.run(
-                    [RAY, "status", f"--address={self.address}"], capture_output=True, text=True, env=cluster_env(),
-                    timeout=60,
-                )  # fmt: skip
+                probe = self.status()
             except subprocess.TimeoutExpired:
                 return
             used = re.search(r"([0-9.]+)/([0-9.]+) GPU", probe.stdout)
