@@ -23,12 +23,19 @@
 # read. MODEL_PATH is a local folder (download once: `huggingface-cli download Qwen/Qwen2.5-7B --local-dir ...`) and
 # HF_HUB_OFFLINE=1 keeps every rank off the network.
 #
+# Metric logs go next to the checkpoints (unless set): VERL_FILE_LOGGER_ROOT=${CKPTS_DIR}/logs (verl's file logger),
+# TENSORBOARD_DIR=${CKPTS_DIR}/tensorboard, WANDB_DIR=${CKPTS_DIR} (offline runs). verl's defaults are relative to
+# the TaskRunner's working directory: a Ray session's scratch copy on whichever node it starts, lost with the
+# session, and a resume would find no earlier log to keep.
+#
 # Processes on a running cluster take their environment from the Ray runtime env, not from the submitting shell,
-# so job submission writes a private copy of RUNTIME_ENV that adds VERL_USE_EXTERNAL_MODULES (the recipe's plugin)
-# and the variables ENV_PASSTHROUGH names, and nothing else: no prefix copying, since a login node's NCCL_*,
-# GLOO_* or VLLM_* settings are wrong on GPU nodes with other NICs. Tokens (WANDB_API_KEY, HF_TOKEN) stay on the
-# cluster side, in the environment `ray start` ran with (sbatch exports, a Kubernetes Secret): a runtime env is
-# stored with the job and returned by the dashboard's job API to anyone who can reach it.
+# so job submission writes a private copy of RUNTIME_ENV that adds VERL_USE_EXTERNAL_MODULES (the recipe's plugin),
+# the log folders (GTPO_LOG_VARS) and the variables ENV_PASSTHROUGH names, and nothing else: no prefix copying,
+# since a login node's NCCL_*, GLOO_* or VLLM_* settings are wrong on GPU nodes with other NICs. A local driver
+# attached to a running cluster (Slurm, a RayJob's entrypoint) puts the log folders into ray.init's runtime env
+# itself (recipe/gtpo/main_gtpo.py). Tokens (WANDB_API_KEY, HF_TOKEN) stay on the cluster side, in the environment
+# `ray start` ran with (sbatch exports, a Kubernetes Secret): a runtime env is stored with the job and returned by
+# the dashboard's job API to anyone who can reach it.
 #
 # Variables read here (besides the ones each launch script defines):
 #   PYTHON                  interpreter for local, dry and preflight runs (python3)
@@ -36,7 +43,8 @@
 #   SUBMIT_MODE             auto | local | job (auto)
 #   JOB_NO_WAIT             1: `ray job submit --no-wait`, then follow with `ray job logs <id> --follow` (0)
 #   ENV_PASSTHROUGH         names copied into the job's runtime env when set in this shell (W&B project settings,
-#                           HF_ENDPOINT, HF_HUB_OFFLINE; no secrets)
+#                           HF_ENDPOINT, HF_HUB_OFFLINE; no secrets), besides GTPO_LOG_VARS, which always are
+#   VERL_FILE_LOGGER_ROOT, TENSORBOARD_DIR, WANDB_DIR  log folders, exported (under CKPTS_DIR, see above)
 #   ALLOW_HOME_PATHS        1: accept paths under $HOME on a cluster (0)
 #   HF_HUB_OFFLINE          exported (1)
 
@@ -58,6 +66,8 @@ DRY_RUN=${DRY_RUN:-0}
 PREFLIGHT=${PREFLIGHT:-0}
 ALLOW_HOME_PATHS=${ALLOW_HOME_PATHS:-0}
 ENV_PASSTHROUGH=${ENV_PASSTHROUGH:-"WANDB_ENTITY WANDB_PROJECT WANDB_MODE WANDB_BASE_URL HF_ENDPOINT HF_HUB_OFFLINE"}
+# Log folders (paths, never secrets): copied into a job's runtime env whatever ENV_PASSTHROUGH says.
+GTPO_LOG_VARS="VERL_FILE_LOGGER_ROOT VERL_FILE_LOGGER_PATH TENSORBOARD_DIR WANDB_DIR"
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 # As verl/trainer/runtime_env.yaml: let NCCL free buffers without record_stream bookkeeping (every launch path).
 export TORCH_NCCL_AVOID_RECORD_STREAMS=${TORCH_NCCL_AVOID_RECORD_STREAMS:-1}
@@ -96,7 +106,8 @@ gtpo_submit_mode() {
     esac
 }
 
-# Write the job's runtime env: RUNTIME_ENV plus the plugin module and the variables ENV_PASSTHROUGH names.
+# Write the job's runtime env: RUNTIME_ENV plus the plugin module and the variables GTPO_LOG_VARS and
+# ENV_PASSTHROUGH name.
 gtpo_write_runtime_env() {
     local out=$1
     if [[ -n "${ENV_PASSTHROUGH_PREFIXES:-}" ]]; then
@@ -104,7 +115,7 @@ gtpo_write_runtime_env() {
             "ENV_PASSTHROUGH (cluster-specific NCCL_* / GLOO_* settings belong on the cluster nodes)" >&2
         return 1
     fi
-    "${PYTHON}" - "${RUNTIME_ENV}" "${out}" "${GTPO_PLUGIN_MODULE}" "${ENV_PASSTHROUGH}" <<'PY'
+    "${PYTHON}" - "${RUNTIME_ENV}" "${out}" "${GTPO_PLUGIN_MODULE}" "${GTPO_LOG_VARS} ${ENV_PASSTHROUGH}" <<'PY'
 import os
 import re
 import sys
@@ -223,6 +234,9 @@ gtpo_launch() {
     )
     VERL_USE_EXTERNAL_MODULES=$(gtpo_merge_modules "${VERL_USE_EXTERNAL_MODULES:-}" "${GTPO_PLUGIN_MODULE}")
     export VERL_USE_EXTERNAL_MODULES
+    export VERL_FILE_LOGGER_ROOT=${VERL_FILE_LOGGER_ROOT:-${CKPTS_DIR}/logs}
+    export TENSORBOARD_DIR=${TENSORBOARD_DIR:-${CKPTS_DIR}/tensorboard}
+    export WANDB_DIR=${WANDB_DIR:-${CKPTS_DIR}}
     export PYTHONPATH="${GTPO_REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
     export HYDRA_FULL_ERROR=${HYDRA_FULL_ERROR:-1}
 

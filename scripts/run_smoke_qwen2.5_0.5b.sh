@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Smoke run: GTPO (any method with method=<name>) on Qwen2.5-0.5B-Instruct, 4 steps with a checkpoint and a resume
-# | 1 node x 1 GPU | FSDP2 + vLLM | verl 0.9.1
+# | 1 node x 1 GPU (or 2: NGPUS_PER_NODE=2) | FSDP2 + vLLM | verl 0.9.1
 #
 # The first thing to run on a new cluster, image or driver, before a 7B / 32B launcher: it exercises on real
 # hardware what the CPU tests cannot (vLLM generation and validation, FSDP2 over NCCL, remove-padding with
@@ -9,12 +9,15 @@
 # responses, 4 validations of 64 prompts x 2 responses, all at 1024 + 1024 tokens).
 #
 # Presets: configs/model/qwen2.5_0.5b.yaml (one GPU) and configs/scale/smoke.yaml (batch, lengths, 64 validation
-# prompts). Phase 1 trains steps 1-2 from scratch and saves global_step_2; phase 2 resumes from that checkpoint
-# (trainer.resume_mode=resume_path) and trains steps 3-4; the script then checks that step 4's checkpoint exists.
-# Launch logic: scripts/common.sh.
+# prompts). Phase 1 trains steps 1-2 from scratch and saves global_step_2; phase 2 resumes from the checkpoint the
+# tracker names (trainer.resume_mode=auto, the clusters' requeue path) and trains steps 3-4; the script then checks
+# that step 4's checkpoint exists. With NGPUS_PER_NODE=2 the same batch (16 x 8 rows, mini-batches of 64) trains at
+# data-parallel size 2: two FSDP ranks, two vLLM replicas and two checkpoint shards, the first GPU run of what a
+# multi-GPU launcher does. Launch logic: scripts/common.sh.
 #
 #   bash scripts/run_smoke_qwen2.5_0.5b.sh [overrides]                  # GTPO
 #   bash scripts/run_smoke_qwen2.5_0.5b.sh method=dapo_forking          # any method preset
+#   NGPUS_PER_NODE=2 bash scripts/run_smoke_qwen2.5_0.5b.sh             # data-parallel size 2
 #   DRY_RUN=1 bash scripts/run_smoke_qwen2.5_0.5b.sh                    # resolve + validate both phases, no Ray
 #   huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir "$RAY_DATA_HOME/models/Qwen2.5-0.5B-Instruct"
 set -xeuo pipefail
@@ -64,9 +67,8 @@ smoke_phase() {
 
 # Phase 1: steps 1..2 from scratch (an earlier smoke run's checkpoints are not resumed), checkpoint at step 2.
 (smoke_phase trainer.total_training_steps="${steps_before_resume}" trainer.resume_mode=disable "$@")
-# Phase 2: resume from that checkpoint, steps 3..4.
-(smoke_phase trainer.total_training_steps="${total_steps}" trainer.resume_mode=resume_path \
-    trainer.resume_from_path="${CKPTS_DIR}/global_step_${steps_before_resume}" "$@")
+# Phase 2: resume from the checkpoint the tracker names (phase 1's global_step_2), steps 3..4.
+(smoke_phase trainer.total_training_steps="${total_steps}" trainer.resume_mode=auto "$@")
 
 if [[ "${DRY_RUN:-0}" == 1 || "${DRY_RUN:-0}" == true ]]; then
     exit 0

@@ -2,8 +2,9 @@
 
 Markers: ``e2e`` (starts Ray and verl's real trainer on CPU) — skip them locally with ``-m "not e2e"``; ``slow``
 (the long tier of trainer runs: the demo's 50 steps, each preset, the async resume, the evaluation script) — skipped
-unless ``GTPO_SLOW_TESTS=1``. The default tier runs five trainer launches, so the whole suite stays within 25 minutes
-on 2 cores; every method and trainer mode still runs through verl there (see README, "Tests").
+unless ``GTPO_SLOW_TESTS=1``. The default tier runs seven trainer launches on a two-node cluster (most at world size
+two), so the whole suite stays within 25 minutes on 2 cores; every trainer mode still runs through verl there (see
+README, "Tests").
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def shared_data() -> Path:
 
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
-    """The session's one Ray cluster: a local head shared by the end-to-end runs and the Ray-based tests."""
+    """The session's one Ray cluster: two simulated nodes (a head and one more raylet, one logical GPU each) shared
+    by the end-to-end runs and the Ray-based tests."""
     from tests.e2e_support import RayCluster
 
     # Ray's socket paths must stay within AF_UNIX's 107 bytes: a short folder of its own, not pytest's basetemp.

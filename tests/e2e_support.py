@@ -1,12 +1,15 @@
-"""Support for the end-to-end tests: one Ray cluster for the session, and recipe runs as separate driver jobs.
+"""Support for the end-to-end tests: one Ray cluster of two simulated nodes for the session, and recipe runs as
+separate driver jobs.
 
 Each run is ``python -m recipe.gtpo.main_gtpo backend=cpu_tiny ...`` in a subprocess that joins the session's
 cluster through ``RAY_ADDRESS``: the Ray start-up is paid once, and every run is its own Ray job, so its actors and
 placement groups are freed when it ends.
 
-The cluster is started *without* ``VERL_USE_EXTERNAL_MODULES`` in its environment: the TaskRunner and the workers
-only register the plugin if the entry point's runtime env carries it — the situation of a multi-node cluster, which
-a single-node ``ray.init`` would hide.
+The cluster is two raylets on this host (:mod:`gtpo.cpu.cluster`), one logical GPU each: a run with
+:data:`WORLD_SIZE_2` has one FSDP rank and one vLLM replica on each node, as on two machines; a run with the
+backend's defaults (one rank) takes one of them. The raylets start *without* ``VERL_USE_EXTERNAL_MODULES`` in their
+environment: the TaskRunner and the workers only register the plugin if the entry point's runtime env carries it —
+the situation of a multi-node cluster, which a single-node ``ray.init`` would hide.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,53 +25,60 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Two FSDP ranks and two vLLM replicas, one of each on each of the session cluster's two nodes.
+WORLD_SIZE_2 = ("trainer.nnodes=2", "trainer.n_gpus_per_node=1")
 PYTHON = sys.executable
 RAY = str(Path(PYTHON).with_name("ray"))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def cluster_env() -> dict[str, str]:
-    """Environment of the Ray head: the CPU backend's variables but no plugin list (see module docstring)."""
-    from gtpo.cpu import env as cpu_env
+    """Environment of every raylet: the CPU backend's variables but no plugin list (see module docstring)."""
+    from gtpo.cpu.cluster import cluster_env as raylet_env
 
-    env = dict(os.environ)
-    env.update(cpu_env())
-    env.pop("VERL_USE_EXTERNAL_MODULES", None)
-    env.pop("RAY_ADDRESS", None)
-    # A loopback-only test cluster: no token authentication (Ray 2.60's `ray start` may require one otherwise).
-    env["RAY_AUTH_MODE"] = "disabled"
-    return env
+    return raylet_env()
 
 
 class RayCluster:
-    """A local Ray head (``ray start --head --block``) owned by the test session."""
+    """A local Ray cluster of ``nodes`` simulated nodes (``ray start ... --block`` each), owned by the test session.
 
-    def __init__(self, temp_dir: Path):
-        self.port = _free_port()
+    Every node has one logical GPU: a world-size-two run (``trainer.nnodes=2 trainer.n_gpus_per_node=1``) places one
+    FSDP rank and one vLLM replica on each node, as on two machines.
+    """
+
+    def __init__(self, temp_dir: Path, nodes: int = 2):
+        from gtpo.cpu.cluster import free_port
+
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.temp_dir = temp_dir
-        self.proc: subprocess.Popen | None = None
+        self.nodes = nodes
+        self.procs: list[subprocess.Popen] = []
 
-    def start(self, timeout: float = 120.0) -> None:
-        cmd = [
-            RAY, "start", "--head", "--block", f"--port={self.port}", "--node-ip-address=127.0.0.1",
-            "--num-cpus=16", "--num-gpus=1",
-            "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.temp_dir}",
-        ]  # fmt: skip
-        log = open(self.temp_dir.parent / "ray_head.log", "wb")  # noqa: SIM115 - closed with the process
-        self.proc = subprocess.Popen(cmd, env=cluster_env(), stdout=log, stderr=subprocess.STDOUT)
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        """The head's process."""
+        return self.procs[0] if self.procs else None
+
+    def start(self, timeout: float = 180.0) -> None:
+        from gtpo.cpu.cluster import node_command, wait_for_nodes
+
+        env = cluster_env()
+        for i in range(self.nodes):
+            temp_dir = self.temp_dir if i == 0 else self.temp_dir.with_name(f"{self.temp_dir.name}{i}")
+            cmd = node_command(head_port=self.port, head=i == 0, gpus=1, temp_dir=temp_dir, block=True)
+            log = open(self.temp_dir.parent / f"ray_node{i}.log", "wb")  # noqa: SIM115 - closed with the process
+            self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+            if i == 0:
+                self._wait_for_head(timeout, Path(log.name))
+        wait_for_nodes(self.address, self.nodes, timeout=timeout, procs=self.procs)
+
+    def _wait_for_head(self, timeout: float, log_path: Path) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.status().returncode == 0:
                 return
             if self.proc.poll() is not None:
-                log.close()
-                raise RuntimeError(f"ray head exited with {self.proc.returncode}:\n{tail(Path(log.name).read_text())}")
+                raise RuntimeError(f"ray head exited with {self.proc.returncode}:\n{tail(log_path.read_text())}")
             time.sleep(2)
         raise TimeoutError(f"ray head at {self.address} not ready after {timeout} s")
 
@@ -94,12 +103,13 @@ class RayCluster:
             time.sleep(5)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        for proc in reversed(self.procs):  # the further nodes first, then the head
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
 
 @dataclass
@@ -242,6 +252,53 @@ class RunningRecipe:
         while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
         return workers
+
+
+def process_ids(title_prefix: str) -> list[int]:
+    """Pids of this host's processes whose command line starts with ``title_prefix`` (a Ray worker's process title
+    is ``ray::<class>.<method>``)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if (proc / "cmdline").read_bytes().startswith(title_prefix.encode()):
+                    out.append(int(proc.name))
+            except OSError:
+                continue
+    return sorted(out)
+
+
+def actor_table() -> dict[str, dict]:
+    """Every actor the cluster's GCS knows, alive or dead, by actor id: ``class``, ``node`` (id), ``state``, ``pid``.
+
+    Read in a process connected to the cluster (the ``ray_session`` fixture). Ray's public state API
+    (``ray.util.state``) reads the same table through the dashboard, which the test cluster does not start.
+    """
+    from ray._private import state
+
+    return {
+        actor_id: {
+            "class": info["ActorClassName"].rsplit(".", 1)[-1],
+            "node": info["Address"]["NodeID"],
+            "state": info["State"],
+            "pid": info["Pid"],
+        }
+        for actor_id, info in state.actors().items()
+    }
+
+
+def placement(before: dict[str, dict]) -> dict[str, list[str]]:
+    """``{actor class: [node id of each actor]}`` of the actors created since ``before`` (an :func:`actor_table`)."""
+    out: dict[str, list[str]] = {}
+    for actor_id, info in actor_table().items():
+        if actor_id not in before:
+            out.setdefault(info["class"], []).append(info["node"])
+    return out
+
+
+def shard_names(actor_dir: Path) -> list[str]:
+    """The FSDP shard files of a checkpoint's ``actor/`` folder, sorted."""
+    return sorted(p.name for p in actor_dir.glob("*_world_size_*_rank_*.pt"))
 
 
 def tail(text: str, n: int = 60) -> str:

@@ -510,3 +510,28 @@ def test_launchers_accept_the_mode(tmp_path, size, args, mode):
             cwd=tmp_path, env=dry_run_env(tmp_path), capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         assert bad.returncode != 0 and "actor_rollout_ref.rollout.nnodes=0" in bad.stderr
+
+
+def test_separate_async_setup_survives_verl_logging_with_flush(monkeypatch, caplog):
+    """verl 0.9.1's ``_setup`` logs the hybrid_engine=false case with ``logger.info(..., flush=True)``, which the
+    standard library's Logger refuses: the recipe's separate_async trainer runs it with a logger that drops it."""
+    import logging
+
+    from verl.trainer.ppo.v1 import trainer_separate_async
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from gtpo.verl_plugin.trainer import GTPOTrainerSeparateAsync
+
+    def verl_setup(self):  # what verl's _setup does on the hybrid_engine=false branch
+        trainer_separate_async.logger.info("[V1SepAsync] hybrid replicas disabled", flush=True)
+
+    monkeypatch.setattr(PPOTrainer, "_setup", lambda self: None)
+    monkeypatch.setattr(trainer_separate_async.PPOTrainerSeparateAsync, "_setup", verl_setup)
+    trainer = GTPOTrainerSeparateAsync.__new__(GTPOTrainerSeparateAsync)
+    with caplog.at_level(logging.INFO, logger=trainer_separate_async.logger.name):
+        trainer._setup()
+    assert "hybrid replicas disabled" in caplog.text
+    # the logger is verl's own again afterwards, and verl's call on its own fails as in verl 0.9.1
+    assert "_log" not in vars(trainer_separate_async.logger)
+    with pytest.raises(TypeError, match="flush"):
+        verl_setup(trainer)

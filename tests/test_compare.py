@@ -111,11 +111,11 @@ E2E_CONFIGS = ("grpo_s_zero_fill",)
 
 @pytest.mark.e2e
 def test_tiny_sweep_through_verl_writes_the_table_and_the_figure(ray_cluster, tmp_path):
-    """grpo_s, one seed, two steps, on the second task, on the session's Ray cluster."""
+    """grpo_s, one seed, two steps, on the second task, at world size two on the session's two-node Ray cluster."""
     out = tmp_path / "cmp"
     rc = compare.main(
         ["--configs", ",".join(E2E_CONFIGS), "--seeds", "1", "--steps", "2", "--window", "2", "--out", str(out)]
-        + ["--task", "second_word", "--ray-address", ray_cluster.address, "--timeout", "400"]
+        + ["--task", "second_word", "--ray-address", ray_cluster.address, "--timeout", "400", "--nnodes", "2"]
     )
     logs = {c: (out / c / "s0" / "train.log") for c in E2E_CONFIGS}
     assert rc == 0, {c: p.read_text(errors="replace")[-3000:] for c, p in logs.items() if p.is_file()}

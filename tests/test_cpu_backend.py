@@ -8,6 +8,7 @@ Run: ``.venv/bin/pytest -q tests/test_cpu_backend.py``  (builds the fixture into
 from __future__ import annotations
 
 import json
+import os
 import unicodedata
 from pathlib import Path
 
@@ -195,17 +196,99 @@ def test_cpu_platform():
     m.manual_seed_all(1)
 
 
-def test_gloo_default_backend(monkeypatch):
-    import verl.utils.distributed as dist_utils
+# Imports the platform module in a fresh interpreter and prints the backends verl's process-group helper asks torch
+# for: without a backend, and with one given.
+GLOO_PROBE = """
+import torch
+import verl.utils.distributed as dist_utils
 
-    import gtpo.cpu.platform  # noqa: F401  (installs the wrapper)
+import gtpo.cpu.platform
 
-    calls = []
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
-    monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kw: calls.append(kw))
-    dist_utils.initialize_global_process_group_ray(timeout_second=None)
-    dist_utils.initialize_global_process_group_ray(timeout_second=None, backend="cpu:gloo")
-    assert [c["backend"] for c in calls] == ["gloo", "cpu:gloo"]
+calls = []
+torch.distributed.is_initialized = lambda: False
+torch.distributed.init_process_group = lambda **kw: calls.append(kw["backend"])
+dist_utils.initialize_global_process_group_ray(timeout_second=None)
+dist_utils.initialize_global_process_group_ray(timeout_second=None, backend="cpu:gloo")
+print(calls)
+"""
+
+
+@pytest.mark.parametrize(
+    "platform, backends",
+    [
+        ("cpu", ["gloo", "cpu:gloo"]),  # the CPU backend: plain gloo, not verl's invalid "cpu:gloo,cpu:gloo"
+        (None, ["cpu:gloo,cuda:nccl", "cpu:gloo"]),  # a GPU run that imports the module: verl's default untouched
+        ("nvidia", ["cpu:gloo,cuda:nccl", "cpu:gloo"]),
+    ],
+)
+def test_gloo_default_backend_only_under_verl_platform_cpu(platform, backends):
+    import subprocess
+    import sys
+
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_PLATFORM", "VERL_USE_EXTERNAL_MODULES")}
+    env.update(PYTHONPATH=repo, PYTHONWARNINGS="ignore", **({"VERL_PLATFORM": platform} if platform else {}))
+    proc = subprocess.run([sys.executable, "-c", GLOO_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == repr(backends)
+
+
+@pytest.mark.parametrize(
+    "device, env, runtime_env, found",
+    [
+        ("cuda", {"VERL_PLATFORM": "cpu"}, {}, "VERL_PLATFORM=cpu (the environment)"),
+        (
+            "cuda",
+            {"VERL_USE_EXTERNAL_MODULES": "gtpo.cpu.platform,gtpo.verl_plugin.register"},
+            {},
+            "VERL_USE_EXTERNAL_MODULES with gtpo.cpu.platform (the environment)",
+        ),
+        (
+            "npu",
+            {},
+            {"VERL_USE_EXTERNAL_MODULES": "gtpo.cpu.vllm_patches", "VERL_PLATFORM": " CPU"},
+            "VERL_PLATFORM= CPU (ray_kwargs.ray_init.runtime_env.env_vars); VERL_USE_EXTERNAL_MODULES with "
+            "gtpo.cpu.vllm_patches (ray_kwargs.ray_init.runtime_env.env_vars)",
+        ),
+        (
+            "cuda",
+            {"VERL_USE_EXTERNAL_MODULES": "gtpo.cpuish,gtpo.verl_plugin.register", "VERL_PLATFORM": "nvidia"},
+            {},
+            None,
+        ),
+        ("cpu", {"VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "gtpo.cpu.platform"}, {}, None),
+    ],
+)
+def test_cpu_backend_is_refused_on_a_gpu_run(device, env, runtime_env, found):
+    from omegaconf import OmegaConf
+
+    from gtpo.verl_plugin.startup_checks import check_cpu_backend
+
+    config = OmegaConf.create(
+        {"trainer": {"device": device}, "ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": runtime_env}}}}
+    )
+    if found is None:
+        check_cpu_backend(config, env)
+        return
+    with pytest.raises(ValueError) as info:
+        check_cpu_backend(config, env)
+    assert str(info.value).startswith(f"trainer.device={device} but {found}: the CPU test backend")
+    assert "backend=cpu_tiny" in str(info.value)
+
+
+def test_prepare_config_refuses_the_cpu_backend_before_ray(monkeypatch):
+    """The recipe's entry point stops a GPU run that inherited the CPU backend's variables before anything starts."""
+    from gtpo.verl_plugin.dry_run import compose_config
+    from recipe.gtpo.main_gtpo import prepare_config
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    cfg = compose_config(["method=gtpo", "model=qwen2.5_7b"])
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "gtpo.cpu.platform")
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    with pytest.raises(
+        ValueError, match=r"trainer\.device=cuda but VERL_USE_EXTERNAL_MODULES with gtpo\.cpu\.platform"
+    ):
+        prepare_config(cfg, dry_run=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------

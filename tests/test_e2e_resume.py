@@ -2,9 +2,10 @@
 
     .venv/bin/python -m pytest -q -m e2e tests/test_e2e_resume.py
 
-``gtpo_traj`` (paper variant: the ini gate measures ``<H>_ini`` on the first batch) with a checkpoint every 2 steps,
-the file logger and TensorBoard. The whole job (driver and every Ray worker of the job) gets ``kill -9`` while step 6
-runs, after the step-4 checkpoint. Then the state a kill during the step-6 *save* leaves: a ``global_step_6`` whose
+``gtpo_traj`` (paper variant: the ini gate measures ``<H>_ini`` on the first batch) at world size two on the session
+cluster's two simulated nodes, with a checkpoint every 2 steps (two shards each), the file logger and TensorBoard.
+The whole job (driver and every Ray worker of the job) gets ``kill -9`` while step 6 runs, after the step-4
+checkpoint. Then the state a kill during the step-6 *save* leaves: a ``global_step_6`` whose
 actor shard and ``data.pt`` are cut short, no recipe state file, and the tracker emptied (verl writes it in place, a
 kill between its ``open`` and ``write``). Then ``trainer.resume_mode=auto``: the resumed run starts from step 4, the
 newest complete checkpoint, with nothing of the half-written folder, and every tracker holds each step once.
@@ -23,7 +24,7 @@ import torch
 
 from gtpo.metric_log import read_file_log
 from gtpo.verl_plugin.checkpoints import TRACKER_FILE
-from tests.e2e_support import RunningRecipe, read_metrics, run_recipe, tail
+from tests.e2e_support import WORLD_SIZE_2, RunningRecipe, read_metrics, run_recipe, shard_names, tail
 from tests.test_e2e_trainer import base_overrides
 
 pytestmark = pytest.mark.e2e
@@ -71,6 +72,7 @@ def test_kill_9_during_step_6_then_a_kill_during_its_save_then_resume_keeps_ever
     tb_dir = tmp_path / "tb"
     metrics = log_root / "resume" / "kill9.jsonl"  # verl's default file-logger path
     overrides = base_overrides(tiny_assets) + [
+        *WORLD_SIZE_2,
         "method=gtpo_traj",
         "data.seed=7",
         f"trainer.default_local_dir={ckpt}",
@@ -91,6 +93,9 @@ def test_kill_9_during_step_6_then_a_kill_during_its_save_then_resume_keeps_ever
     assert killed, f"no Ray worker pid found in the driver's log:\n{tail(first.log)}"
     tracker = (ckpt / TRACKER_FILE).read_text().strip()
     assert tracker == "4", f"the kill came after the step-6 checkpoint (tracker={tracker}); step 6 ran too fast"
+    # every rank's shard of model, optimiser and extra state, for world size two
+    two_ranks = sorted(f"{kind}_world_size_2_rank_{r}.pt" for kind in ("model", "optim", "extra_state") for r in (0, 1))
+    assert shard_names(ckpt / "global_step_4" / "actor") == two_ranks
     before = read_metrics(metrics)
     assert [r["step"] for r in before] == [1, 2, 3, 4, 5]
     h_ini_before = {r["data"][H_INI] for r in before}
@@ -153,5 +158,6 @@ def test_kill_9_during_step_6_then_a_kill_during_its_save_then_resume_keeps_ever
     # The resumed run saved step 6 over the half-written folder: whole shards, a state file, the tracker.
     assert (ckpt / TRACKER_FILE).read_text().strip() == "6"
     assert json.loads((half / "gtpo_state.json").read_text())["gtpo_traj"]["h_ini"] in h_ini_before
+    assert shard_names(half / "actor") == two_ranks
     assert all(shard.stat().st_size > 1000 for shard in (half / "actor").glob("*.pt"))
     torch.load(half / "data.pt", weights_only=False)

@@ -2,17 +2,20 @@
 
     .venv/bin/python -m pytest -q -m e2e tests/test_e2e_vllm.py
 
-1. ``scripts/run_gtpo_qwen2.5_7b.sh trainer=colocate_async`` runs, through the launcher script itself, with the
-   launcher's own presets (method, the model preset's rollout block, scale, sampling, trainer mode). The CPU run
+1. ``scripts/run_gtpo_qwen2.5_7b.sh trainer=colocate_async`` runs, through the launcher script itself, at world size
+   two on the session cluster's two simulated nodes (``NNODES=2 NGPUS_PER_NODE=1``), with the launcher's own
+   presets (method, the model preset's rollout block, scale, sampling, trainer mode). The CPU run
    replaces only what a CPU cannot have (model, lengths, batch and token budgets, GPU counts, the CPU backend's
    platform settings: ``CPU_REPLACED``); a dry run of both configurations checks that nothing else differs, so
    the launcher's sampling, chunked prefill, ``max_num_batched_tokens``, ``free_cache_engine``, ``load_format``,
    log-prob and dtype settings of vLLM run as set. Under ``colocate_async`` a batch is generated ahead while a
-   step trains: the run checks verl's pause at every step, training on responses of the previous policy, the
-   weights reaching vLLM at every sync and no shared memory left behind.
-2. The same trainer with the vLLM patch that keeps the weights reloadable switched off (``VLLM_PLUGINS`` names
-   only another plugin): the first weight sync fails in the vLLM worker, verl's sender waits on its socket, and
-   the watchdog ends the run within ``algorithm.watchdog.weight_sync_s``, naming the stage.
+   step trains: the run checks where Ray placed it (one FSDP rank and one vLLM replica on each node), verl's pause
+   in both replicas at every step, training on responses of the previous policy, the weights reaching vLLM at
+   every sync and no shared memory left behind.
+2. (slow tier) The same trainer at world size one with the vLLM patch that keeps the weights
+   reloadable switched off (``VLLM_PLUGINS`` names only another plugin): the first weight sync fails in the vLLM
+   worker, verl's sender waits on its socket, and the watchdog ends the run within
+   ``algorithm.watchdog.weight_sync_s``, naming the stage.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e_support import REPO_ROOT, read_metrics, run_recipe, tail
+from tests.e2e_support import REPO_ROOT, actor_table, placement, read_metrics, run_recipe, tail
 from tests.test_e2e_trainer import COIN_REWARD, base_overrides
 from tests.test_launch_scripts import dry_run_env, resolved_config
 
@@ -167,8 +170,9 @@ def _launcher_env(tmp: Path, assets, extra: dict[str, str]) -> dict[str, str]:
     env = dry_run_env(tmp)
     env.update(
         NNODES="1", NGPUS_PER_NODE="1", MODEL_PATH=str(assets.model_dir), TRAIN_FILE=str(assets.train_parquet),
-        TEST_FILE=str(assets.val_parquet), CKPTS_DIR=str(tmp / "ckpt"), **extra,
+        TEST_FILE=str(assets.val_parquet), CKPTS_DIR=str(tmp / "ckpt"),
     )  # fmt: skip
+    env.update(extra)
     return env
 
 
@@ -185,7 +189,7 @@ def _dry_config(tmp: Path, assets, args: list[str]) -> dict:
     return resolved_config(proc.stdout)
 
 
-def test_launcher_rollout_settings_run_on_cpu_with_the_async_pause(ray_cluster, demo_assets, tmp_path):
+def test_launcher_rollout_settings_run_on_cpu_with_the_async_pause(ray_cluster, ray_session, demo_assets, tmp_path):
     from gtpo.cpu import env as cpu_env
 
     launcher = _flatten(_dry_config(tmp_path, demo_assets, LAUNCHER_ARGS))
@@ -205,9 +209,13 @@ def test_launcher_rollout_settings_run_on_cpu_with_the_async_pause(ray_cluster, 
         assert cpu_run[dotted] == launcher[dotted], dotted
     assert cpu_run["trainer.v1.trainer_mode"] == "gtpo_colocate_async" and cpu_run["actor_rollout_ref.rollout.n"] == 16
 
-    # The real run, through the launcher script, joining the session's Ray cluster.
+    # The real run, through the launcher script, joining the session's Ray cluster: one GPU on each of two nodes
+    # (the launcher's path checks accept the asset cache under $HOME: both simulated nodes share this host's disk).
     metrics_path = tmp_path / "metrics.jsonl"
-    env = _launcher_env(tmp_path, demo_assets, {"RAY_ADDRESS": ray_cluster.address, "RAY_AUTH_MODE": "disabled"})
+    two_nodes = {"NNODES": "2", "NGPUS_PER_NODE": "1", "ALLOW_HOME_PATHS": "1"}
+    env = _launcher_env(
+        tmp_path, demo_assets, {"RAY_ADDRESS": ray_cluster.address, "RAY_AUTH_MODE": "disabled", **two_nodes}
+    )
     env.pop("DRY_RUN")
     env.update({k: v for k, v in cpu_env(base=env).items()})
     env["VERL_LOGGING_LEVEL"] = "INFO"  # verl's server logs each abort with the number of requests it cut
@@ -219,6 +227,7 @@ def test_launcher_rollout_settings_run_on_cpu_with_the_async_pause(ray_cluster, 
     ]  # fmt: skip
     log_path = tmp_path / "launcher.log"
     shm_before = _shm_segments()
+    actors_before = actor_table()
     with open(log_path, "wb") as log:
         proc = subprocess.run(
             ["bash", str(LAUNCHER), *args], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900
@@ -228,14 +237,23 @@ def test_launcher_rollout_settings_run_on_cpu_with_the_async_pause(ray_cluster, 
     metrics = read_metrics(metrics_path)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4], tail(log_text)
 
+    # Ray placed one FSDP rank and one vLLM replica on each node
+    placed = placement(actors_before)
+    assert len(set(placed["WorkerDict"])) == 2 and len(placed["WorkerDict"]) == 2, placed
+    assert len(set(placed["vLLMHttpServer"])) == 2 and len(placed["vLLMHttpServer"]) == 2, placed
+    nodes = {n["NodeID"] for n in ray_session.nodes() if n["Alive"]}
+    assert set(placed["WorkerDict"]) == set(placed["vLLMHttpServer"]) == nodes, (placed, nodes)
     # verl's vLLM server and engine generated (not a stand-in), with the launcher's sampling
     assert "vLLMHttpServer" in log_text and "EngineCore" in log_text
     assert all(m["data"]["response_length/min"] < m["data"]["response_length/max"] for m in metrics)
     # verl's pause protocol ran at every step: the server was asked to abort what was in flight when the trainer took
     # its batch (at this scale every group is complete by then: all requests run at once and end within 48 tokens,
     # so there is nothing to cut) ...
-    aborted = [int(n) for n in re.findall(r"Aborted (\d+) requests", log_text)]
-    assert len(aborted) == len(metrics), f"one pause per step expected, the server logged {aborted}"
+    aborts = re.findall(r"\(vLLMHttpServer pid=(\d+)[^)]*\).*Aborted (\d+) requests", log_text)
+    per_server = {pid: sum(1 for p, _ in aborts if p == pid) for pid, _ in aborts}
+    assert len(per_server) == 2 and set(per_server.values()) == {len(metrics)}, (
+        f"one pause per step in each replica expected, the servers logged {aborts}"
+    )
     # ... and the trainer trained on responses generated ahead by the previous policy (the async path, not sync's)
     assert max(m["data"]["gtpo/trajectory_staleness_max"] for m in metrics) >= 1, [m["data"] for m in metrics]
     # GTPO's estimator ran on the async path, with the old policy's entropy (a random model's is far from 0) and
@@ -254,6 +272,7 @@ def test_launcher_rollout_settings_run_on_cpu_with_the_async_pause(ray_cluster, 
         assert m["data"]["training/rollout_actor_probs_pearson_corr"] > 0.99, m["data"]
 
 
+@pytest.mark.slow  # the default tier stalls a weight sync under separate_async (tests/test_e2e_separate_async.py)
 def test_a_broken_weight_sync_fails_within_its_limit_naming_the_stage(ray_cluster, tiny_assets, tmp_path):
     from vllm import _custom_ops as ops
 

@@ -9,6 +9,7 @@ Checks the quantile against hand-computed values, ties, padding, zero gradient t
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -281,3 +282,47 @@ def test_install_sets_loss_only_when_enabled():
     assert install(t) is None and t.actor_rollout_wg.loss is None
     t = _Trainer({"enable": True, "rho": 0.2})
     assert install(t).rho == 0.2 and isinstance(t.actor_rollout_wg.loss, ForkingPPOLoss)
+
+
+@pytest.mark.parametrize(
+    "forking, distillation, installed",
+    [(False, False, "GRPOSPPOLoss"), (True, False, "ForkingPPOLoss"), (False, True, None)],
+)
+def test_install_gives_the_grpo_s_loss_its_extremes(forking, distillation, installed):
+    """With the grpo_s policy loss the workers get verl's ppo_loss re-tagging its min / max metrics
+    (tests/test_loss_metrics.py); the forking loss does that itself; verl's distillation keeps its own loss."""
+    from omegaconf import OmegaConf
+
+    from gtpo.verl_plugin.forking import install
+
+    class _WG:
+        loss = None
+
+        def set_loss_fn(self, fn):
+            self.loss = fn
+
+    actor = {
+        "_target_": "verl.workers.config.FSDPActorConfig",
+        "strategy": "fsdp",
+        "rollout_n": 2,
+        "ppo_micro_batch_size_per_gpu": 2,
+        "ppo_mini_batch_size": 2,
+        "loss_agg_mode": "token-mean",
+        "calculate_entropy": True,
+        "policy_loss": {"loss_mode": "grpo_s"},
+    }
+    trainer = SimpleNamespace(
+        config=OmegaConf.create(
+            {
+                "algorithm": {"forking": {"enable": forking}},
+                "actor_rollout_ref": {"actor": actor},
+                "distillation": {"enabled": distillation},
+            }
+        ),
+        actor_rollout_wg=_WG(),
+    )
+    install(trainer)
+    loss = trainer.actor_rollout_wg.loss
+    assert (type(loss).__name__ if loss is not None else None) == installed
+    if loss is not None:
+        assert loss.config.policy_loss.get("loss_mode") == "grpo_s"

@@ -203,6 +203,22 @@ def test_multi_node_network_and_cpus(job):
     assert int(worker["resources"].get("limits", {}).get("cpu", cpus)) >= cpus
 
 
+def test_metric_logs_go_to_the_checkpoint_volume(job):
+    """The TaskRunner may start on any pod, in the image's /workspace/gtpo, deleted with the cluster: verl's relative
+    log folders would be lost. The job's runtime env (every Ray process's) points them under CKPTS_DIR."""
+    env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
+    ckpts = env["CKPTS_DIR"]
+    assert env["VERL_FILE_LOGGER_ROOT"] == f"{ckpts}/logs"
+    assert env["TENSORBOARD_DIR"] == f"{ckpts}/tensorboard"
+    assert env["WANDB_DIR"] == ckpts
+    cluster = job["spec"]["rayClusterSpec"]
+    for group in (cluster["headGroupSpec"], *cluster["workerGroupSpecs"]):
+        mounts, volumes = mounts_by_path(group), volumes_by_name(group)
+        mount = next(p for p in mounts if ckpts.startswith(p + "/"))
+        assert not mounts[mount].get("readOnly", False)
+        assert "persistentVolumeClaim" in volumes[mounts[mount]["name"]]
+
+
 def test_ray_version_matches_image(job):
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
     pinned = re.search(r'"ray\[default\]==([\d.]+)"', dockerfile)

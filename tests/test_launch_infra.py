@@ -7,8 +7,8 @@ arguments and the variables it was started with. Asserted: in job mode and under
 $HOME, relative paths and hub ids are refused before anything is submitted (ALLOW_HOME_PATHS=1 lifts the $HOME rule)
 and the cluster-side paths are printed; the job's runtime env holds the file's variables, the plugin and the
 variables ENV_PASSTHROUGH names, and nothing else (no tokens, no NCCL_* / GLOO_* / VLLM_* of the submitting
-shell); PREFLIGHT=1 starts the preflight module in both modes; every launch exports HF_HUB_OFFLINE=1 and
-TORCH_NCCL_AVOID_RECORD_STREAMS=1.
+shell) plus the log folders; PREFLIGHT=1 starts the preflight module in both modes; every launch exports
+HF_HUB_OFFLINE=1, TORCH_NCCL_AVOID_RECORD_STREAMS=1 and the metric-log folders under CKPTS_DIR.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import yaml
 from tests.test_launch_scripts import fake_tools
 
 REPO = Path(__file__).resolve().parents[1]
-RECORDED = ("HF_HUB_OFFLINE", "TORCH_NCCL_AVOID_RECORD_STREAMS", "VERL_USE_EXTERNAL_MODULES")
+LOG_DIRS = ("VERL_FILE_LOGGER_ROOT", "TENSORBOARD_DIR", "WANDB_DIR")
+RECORDED = ("HF_HUB_OFFLINE", "TORCH_NCCL_AVOID_RECORD_STREAMS", "VERL_USE_EXTERNAL_MODULES", *LOG_DIRS)
 
 
 def script(method: str = "gtpo", size: str = "32b") -> Path:
@@ -47,7 +48,8 @@ def launch(tmp_path):
             k: v
             for k, v in os.environ.items()
             if not k.startswith(("RAY_", "SUBMIT_", "WANDB_", "DRY_RUN", "PREFLIGHT", "SLURM_", "ENV_PASSTHROUGH"))
-            and k not in ("HF_HUB_OFFLINE", "TORCH_NCCL_AVOID_RECORD_STREAMS", "ALLOW_HOME_PATHS", "HF_TOKEN")
+            and k
+            not in ("HF_HUB_OFFLINE", "TORCH_NCCL_AVOID_RECORD_STREAMS", "ALLOW_HOME_PATHS", "HF_TOKEN", *LOG_DIRS)
         }
         env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHON=str(bin_dir / "fakepython"), FAKE_LOG=str(log))
         env.update(
@@ -70,6 +72,15 @@ def launch(tmp_path):
 
 
 JOB = {"RAY_ADDRESS": "http://head:8265"}
+
+
+def recorded_env(call: str) -> dict[str, str]:
+    """The variables the fake python was started with (RECORDED)."""
+    return dict(item.split("=", 1) for item in call.split(" | ", 1)[1].split())
+
+
+def log_dirs(ckpts: str) -> dict[str, str]:
+    return {"VERL_FILE_LOGGER_ROOT": f"{ckpts}/logs", "TENSORBOARD_DIR": f"{ckpts}/tensorboard", "WANDB_DIR": ckpts}
 
 
 @pytest.mark.parametrize(
@@ -114,6 +125,9 @@ def test_slurm_driver_refuses_home_paths(launch):
     proc, calls, _ = launch(script("dapo", "7b"), SLURM_JOB_ID="77", RAY_ADDRESS="10.0.0.1:6379", RAY_DATA_HOME="/lus")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert calls[0].startswith("python -m recipe.gtpo.main_gtpo ")
+    # The driver attached to the Slurm cluster has the log folders on shared storage (and hands them to Ray).
+    env = recorded_env(calls[0])
+    assert {k: env[k] for k in LOG_DIRS} == log_dirs("/lus/ckpts/gtpo-reproduction/dapo-qwen2.5-7b")
 
 
 def test_single_node_keeps_the_home_default(launch):
@@ -127,9 +141,12 @@ def test_runtime_env_holds_only_named_variables(launch):
     proc, calls, runtime_env = launch(script(), **JOB, RAY_DATA_HOME="/shared/verl")
     assert proc.returncode == 0, proc.stderr[-3000:]
     base = yaml.safe_load((REPO / "recipe" / "gtpo" / "runtime_env.yaml").read_text())["env_vars"]
-    # The file's variables, the plugin, and the default ENV_PASSTHROUGH names this shell has set.
-    assert set(runtime_env["env_vars"]) == set(base) | {"VERL_USE_EXTERNAL_MODULES", "WANDB_PROJECT", "HF_HUB_OFFLINE"}
+    # The file's variables, the plugin, the log folders, and the default ENV_PASSTHROUGH names this shell has set.
+    named = {"VERL_USE_EXTERNAL_MODULES", "WANDB_PROJECT", "HF_HUB_OFFLINE", *LOG_DIRS}
+    assert set(runtime_env["env_vars"]) == set(base) | named
     assert runtime_env["env_vars"]["WANDB_PROJECT"] == "gtpo-runs" and runtime_env["env_vars"]["HF_HUB_OFFLINE"] == "1"
+    ckpts = "/shared/verl/ckpts/gtpo-reproduction/gtpo-qwen2.5-32b"
+    assert {k: runtime_env["env_vars"][k] for k in LOG_DIRS} == log_dirs(ckpts)
     text = yaml.safe_dump(runtime_env)
     for leaked in ("wandb-secret-123", "hf-secret-456", "eno1", "XFORMERS"):
         assert leaked not in text
@@ -160,9 +177,29 @@ def test_preflight_runs_the_preflight_module(launch, extra):
 def test_local_launch_environment(launch):
     proc, calls, _ = launch(script("grpo", "7b"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    env = dict(item.split("=", 1) for item in calls[0].split(" | ", 1)[1].split())
+    env = recorded_env(calls[0])
     assert env["HF_HUB_OFFLINE"] == "1" and env["TORCH_NCCL_AVOID_RECORD_STREAMS"] == "1"
     assert "gtpo.verl_plugin.register" in env["VERL_USE_EXTERNAL_MODULES"]
+    assert {k: env[k] for k in LOG_DIRS} == log_dirs(f"{launch.home}/verl/ckpts/gtpo-reproduction/grpo-qwen2.5-7b")
     # A user's own choice wins.
-    proc, calls, _ = launch(script("grpo", "7b"), HF_HUB_OFFLINE="0")
-    assert "HF_HUB_OFFLINE=0" in calls[-1]
+    proc, calls, _ = launch(script("grpo", "7b"), HF_HUB_OFFLINE="0", TENSORBOARD_DIR="/elsewhere/tb")
+    env = recorded_env(calls[-1])
+    assert env["HF_HUB_OFFLINE"] == "0" and env["TENSORBOARD_DIR"] == "/elsewhere/tb"
+
+
+def test_driver_hands_its_log_folders_to_ray(monkeypatch):
+    """recipe/gtpo/main_gtpo.py: on a running cluster the TaskRunner sees ray.init's runtime env, not the driver's
+    shell; a folder the config's runtime env sets already stays."""
+    from omegaconf import OmegaConf
+
+    from recipe.gtpo.main_gtpo import forward_log_dirs
+
+    cfg = OmegaConf.create({"ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": {"TENSORBOARD_DIR": "/cfg/tb"}}}}})
+    OmegaConf.set_struct(cfg, True)  # as Hydra composes it
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", "/shared/ckpts/logs")
+    monkeypatch.setenv("TENSORBOARD_DIR", "/shared/ckpts/tensorboard")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.delenv("VERL_FILE_LOGGER_PATH", raising=False)
+    forward_log_dirs(cfg)
+    env_vars = OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env.env_vars)
+    assert env_vars == {"TENSORBOARD_DIR": "/cfg/tb", "VERL_FILE_LOGGER_ROOT": "/shared/ckpts/logs"}

@@ -72,8 +72,16 @@ def missing_prerequisite(method: str) -> str | None:
     return None
 
 
+# Where the launchers put the metric logs, relative to CKPTS_DIR (scripts/common.sh).
+LOG_DIRS = {"VERL_FILE_LOGGER_ROOT": "/logs", "TENSORBOARD_DIR": "/tensorboard", "WANDB_DIR": ""}
+
+
 def dry_run_env(tmp: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SUBMIT_", "WANDB_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RAY_", "SUBMIT_", "WANDB_", "VERL_FILE_LOGGER_")) and k != "TENSORBOARD_DIR"
+    }
     env.update(
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         PYTHON=sys.executable,
@@ -259,7 +267,11 @@ def test_dry_run(dry_runs, method, size):
     else:
         assert not buffer.get("enable", False)
     assert cfg["trainer"]["experiment_name"] == f"{method}-qwen2.5-{size}"
-    assert cfg["trainer"]["default_local_dir"].endswith(f"/ckpts/gtpo-reproduction/{method}-qwen2.5-{size}")
+    ckpts = cfg["trainer"]["default_local_dir"]
+    assert ckpts.endswith(f"/ckpts/gtpo-reproduction/{method}-qwen2.5-{size}")
+    # The metric logs beside the checkpoints, handed by the driver to verl's TaskRunner through ray.init's runtime env.
+    env_vars = cfg["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
+    assert {k: env_vars.get(k) for k in LOG_DIRS} == {k: ckpts + sub for k, sub in LOG_DIRS.items()}
 
 
 def test_script_knobs_agree_with_presets(dry_runs, monkeypatch):
@@ -328,6 +340,10 @@ def test_job_submission_carries_plugin_and_secrets_in_runtime_env(tmp_path):
     assert env_vars["RAY_OVERRIDE_JOB_RUNTIME_ENV"] == "1"
     assert env_vars["WANDB_API_KEY"] == "wandb-secret-123" and env_vars["NCCL_SOCKET_IFNAME"] == "ib0"
     assert runtime_env["working_dir"] == "./"
+    # The metric logs go to the shared checkpoint folder, whatever ENV_PASSTHROUGH names.
+    ckpts = "/shared/verl/ckpts/gtpo-reproduction/gtpo-qwen2.5-32b"
+    assert f"trainer.default_local_dir={ckpts}" in rest
+    assert {k: env_vars.get(k) for k in LOG_DIRS} == {k: ckpts + sub for k, sub in LOG_DIRS.items()}
     # The secret reaches the job only through the runtime-env file, which is private and removed afterwards.
     assert "wandb-secret-123" not in call and "wandb-secret-123" not in proc.stderr
     path = Path(words[words.index("--runtime-env") + 1])
@@ -392,9 +408,9 @@ def test_knob_block_states_the_paper_scale(monkeypatch):
         assert stated[:7] == pytest.approx([PAPER[k] for k in PAPER]), f"{method}/{size}: not paper A's scale"
 
 
-def _dry_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def _dry_run(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", *args], cwd=tmp_path, env=dry_run_env(tmp_path), capture_output=True, text=True, timeout=600
+        ["bash", *args], cwd=tmp_path, env={**dry_run_env(tmp_path), **env}, capture_output=True, text=True, timeout=600
     )
 
 
@@ -443,18 +459,23 @@ def _resolved_configs(stdout: str) -> list[dict]:
     return [yaml.safe_load(block.split(END, 1)[0]) for block in stdout.split(BEGIN)[1:]]
 
 
-@pytest.mark.parametrize("method", ["gtpo", "dapo_forking"])
-def test_smoke_launcher_dry_run(tmp_path, method):
-    """One GPU, 16 x 8 at 1024 + 1024 tokens; phase 1 trains 2 steps from scratch, phase 2 resumes from step 2."""
+@pytest.mark.parametrize("method, gpus", [("gtpo", 1), ("dapo_forking", 1), ("gtpo", 2)])
+def test_smoke_launcher_dry_run(tmp_path, method, gpus):
+    """One GPU (or NGPUS_PER_NODE=2: data-parallel size 2), 16 x 8 at 1024 + 1024 tokens; phase 1 trains 2 steps from
+    scratch, phase 2 resumes from the checkpoint the tracker names (resume_mode=auto)."""
     args = [] if method == "gtpo" else [f"method={method}"]
-    proc = _dry_run(tmp_path, str(SMOKE), *args)
+    proc = _dry_run(tmp_path, str(SMOKE), *args, **({} if gpus == 1 else {"NGPUS_PER_NODE": str(gpus)}))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert proc.stdout.count("[dry run] OK") == 2
+    assert "NGPUS_PER_NODE=2 bash scripts/run_smoke_qwen2.5_0.5b.sh" in SMOKE.read_text()  # the header says how
+    # Every rank gets whole mini-batches: 8 prompts x 8 responses = 64 sequences per update.
+    assert proc.stdout.count(f"ulysses sp=1 -> dp={gpus}; vLLM replicas={gpus} (tp=1)") == 2
+    assert proc.stdout.count(f"in 2 mini-batch(es) of {64 // gpus} sequences per dp rank") == 2
     first, second = _resolved_configs(proc.stdout)
     for cfg in (first, second):
         data, trainer = cfg["data"], cfg["trainer"]
         actor, rollout = cfg["actor_rollout_ref"]["actor"], cfg["actor_rollout_ref"]["rollout"]
-        assert (trainer["nnodes"], trainer["n_gpus_per_node"]) == (1, 1)
+        assert (trainer["nnodes"], trainer["n_gpus_per_node"]) == (1, gpus)
         assert cfg["algorithm"]["adv_estimator"] == METHOD_EXPECT[method]["adv"]
         assert cfg["algorithm"]["forking"]["enable"] is (method == "dapo_forking")
         assert (data["train_batch_size"], rollout["n"], actor["ppo_mini_batch_size"]) == (16, 8, 8)
@@ -468,8 +489,9 @@ def test_smoke_launcher_dry_run(tmp_path, method):
     ckpts = first["trainer"]["default_local_dir"]
     assert ckpts.endswith(f"/ckpts/gtpo-smoke/smoke-{method}-qwen2.5-0.5b")
     assert (first["trainer"]["total_training_steps"], first["trainer"]["resume_mode"]) == (2, "disable")
-    assert (second["trainer"]["total_training_steps"], second["trainer"]["resume_mode"]) == (4, "resume_path")
-    assert second["trainer"]["resume_from_path"] == f"{ckpts}/global_step_2"
+    # Phase 2 finds phase 1's checkpoint itself (the tracker in default_local_dir), as a requeued cluster run does.
+    assert (second["trainer"]["total_training_steps"], second["trainer"]["resume_mode"]) == (4, "auto")
+    assert second["trainer"]["default_local_dir"] == ckpts and second["trainer"]["resume_from_path"] is None
     if method == "dapo_forking":  # the smoke scale's own overlong buffer, inside the 1,024-token response
         assert "overlong punishment: buffer 256 of 1024 tokens" in proc.stdout
 

@@ -235,6 +235,37 @@ def test_wandb_without_key_or_offline_mode_fails(compose, layout):
     assert rc == 0
 
 
+def test_relative_log_folders_are_warned_about(compose, layout):
+    """file / tensorboard writing where verl's TaskRunner happens to start: a warn line, not a failure."""
+    cfg = compose(layout, "trainer.logger=[console,file,tensorboard]")
+    rc, lines = run(cfg, FakeCluster())
+    assert rc == 0, "\n".join(lines)
+    warns = [line for line in lines if " warn " in line]
+    assert len(warns) == 2 and all(w.startswith("[preflight] warn trackers: trainer.logger has ") for w in warns)
+    assert "file but VERL_FILE_LOGGER_ROOT unset (verl's default .) is relative" in warns[0]
+    assert "tensorboard but TENSORBOARD_DIR unset (verl's default tensorboard_log/<project>/<experiment>)" in warns[1]
+    assert lines.index(warns[0]) == ITEMS.index("trackers") + 1  # right after the trackers check
+    # The launchers' folders under CKPTS_DIR: nothing to say.
+    shared = {"VERL_FILE_LOGGER_ROOT": str(layout["ckpts"] / "logs"), "TENSORBOARD_DIR": str(layout["ckpts"] / "tb")}
+    rc, lines = run(cfg, FakeCluster(), env={**GOOD_ENV, **shared})
+    assert rc == 0 and not [line for line in lines if " warn " in line], "\n".join(lines)
+    # VERL_FILE_LOGGER_PATH, when set, is the file logger's whole path.
+    rc, lines = run(cfg, FakeCluster(), env={**GOOD_ENV, **shared, "VERL_FILE_LOGGER_PATH": "metrics.jsonl"})
+    (warn,) = [line for line in lines if " warn " in line]
+    assert "file but VERL_FILE_LOGGER_PATH=metrics.jsonl is relative" in warn
+    # The Ray runtime env is what the TaskRunner sees: its absolute folder wins over a relative one here.
+    runtime = "+ray_kwargs.ray_init.runtime_env.env_vars"
+    cfg = compose(layout, "trainer.logger=[console,file]", f"{runtime}.VERL_FILE_LOGGER_ROOT=/shared/logs")
+    rc, lines = run(cfg, FakeCluster(), env={**GOOD_ENV, "VERL_FILE_LOGGER_ROOT": "logs"})
+    assert rc == 0 and not [line for line in lines if " warn " in line], "\n".join(lines)
+
+
+def test_cpu_test_backend_on_a_gpu_run_fails_the_config_check(compose, layout):
+    rc, lines = run(compose(layout), FakeCluster(), env={**GOOD_ENV, "VERL_PLATFORM": "cpu"})
+    assert rc == 1
+    assert "trainer.device=cuda but VERL_PLATFORM=cpu (the environment)" in _fail_line(lines, "config")
+
+
 def test_unwritable_checkpoint_dir_fails(compose, layout, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")

@@ -2,20 +2,24 @@
 
     PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/test_resume_checkpoint.py
 
-Folders are laid out as verl 0.9.1's ``_save_checkpoint`` writes them, in its order: ``actor/``, ``data.pt``, the
-tracker, then the recipe's ``gtpo_state.json``. Each test stops that sequence where a kill would. The same states
-through the real trainer: tests/test_e2e_resume.py.
+Folders are laid out as verl 0.9.1's ``_save_checkpoint`` writes them, in its order: ``actor/`` (every rank's
+``model_/optim_/extra_state_world_size_<W>_rank_<r>.pt``), ``critic/``, ``data.pt``, ``transfer_queue/``, the tracker,
+then the recipe's ``gtpo_state.json``. Each test stops that sequence where a kill would. The shard set, the world
+size and retention: tests/test_checkpoint_shards.py. The same states through the real trainer:
+tests/test_e2e_resume.py.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import stat
 
 import pytest
 
 from gtpo.verl_plugin import checkpoint_state, checkpoints
-from gtpo.verl_plugin.checkpoints import TRACKER_FILE, CheckpointLayout, resolve_auto_resume
+from gtpo.verl_plugin.checkpoints import SHARD_KINDS, TRACKER_FILE, CheckpointLayout, resolve_auto_resume
 
 SYNC = CheckpointLayout()
 
@@ -23,15 +27,27 @@ SYNC = CheckpointLayout()
 SAVE_STEPS = ("actor", "data", "tracker", "state")
 
 
-def save(root, step, upto=None, tracker_text=None):
+def write_shards(directory, world_size=1, kinds=SHARD_KINDS):
+    """What verl's FSDP checkpoint manager writes into ``actor/`` (``critic/``) at ``world_size``."""
+    (directory / "huggingface").mkdir(parents=True, exist_ok=True)
+    for kind in kinds:
+        for rank in range(world_size):
+            (directory / checkpoints.shard_name(kind, world_size, rank)).write_bytes(b"tensors")
+
+
+def save(root, step, upto=None, tracker_text=None, world_size=1, critic=False, async_mode=False):
     """Run verl's save sequence for ``step`` as far as ``upto`` steps; ``tracker_text`` replaces what verl writes."""
     folder = root / f"global_step_{step}"
     done = SAVE_STEPS[: len(SAVE_STEPS) if upto is None else upto]
     if "actor" in done:
-        (folder / "actor" / "huggingface").mkdir(parents=True, exist_ok=True)
-        (folder / "actor" / "model_world_size_1_rank_0.pt").write_bytes(b"weights")
+        write_shards(folder / "actor", world_size)
+        if critic:
+            write_shards(folder / "critic", world_size)
     if "data" in done:
         (folder / "data.pt").write_bytes(b"dataloader")
+        if async_mode:
+            (folder / "transfer_queue").mkdir(exist_ok=True)
+            (folder / "transfer_queue" / "trajectories.bin").write_bytes(b"stored trajectories")
     if "tracker" in done:
         (root / TRACKER_FILE).write_text(str(step) if tracker_text is None else tracker_text)
     if "state" in done:
@@ -128,8 +144,7 @@ def test_critic_and_transfer_queue_are_required_where_verl_writes_them(root):
         "no critic/",
         "no transfer_queue/",
     ]
-    (folder / "critic").mkdir()
-    (folder / "critic" / "model.pt").write_bytes(b"w")
+    write_shards(folder / "critic")
     (folder / "transfer_queue").mkdir()
     assert checkpoints.incomplete_reasons(str(folder), 4, CheckpointLayout(use_critic=True, async_mode=True)) == []
 
@@ -157,6 +172,64 @@ def test_without_a_tracker(root, caplog, tmp_path):
     assert (root / TRACKER_FILE).read_text() == "2"
 
 
+def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(root):
+    """``global_step_10`` sorts before ``global_step_9`` as a name; a broken tracker must still lead to 10."""
+    save(root, 9)
+    save(root, 10)
+    (root / TRACKER_FILE).write_text("ten")
+    assert resolve_auto_resume(str(root), SYNC) == str(root / "global_step_10")
+    assert (root / TRACKER_FILE).read_text() == "10"
+
+
+def test_an_empty_actor_folder_is_incomplete(root):
+    save(root, 2)
+    folder = save(root, 4)
+    shutil.rmtree(folder / "actor")
+    (folder / "actor").mkdir()  # created, nothing written into it yet
+    assert checkpoints.incomplete_reasons(str(folder), 4, SYNC) == ["no actor/"]
+    assert resolve_auto_resume(str(root), SYNC) == str(root / "global_step_2")
+
+
+def test_a_critic_run_needs_its_critic(root):
+    with_critic = CheckpointLayout(use_critic=True)
+    save(root, 2, critic=True)
+    folder = save(root, 4)  # critic/ never written
+    assert checkpoints.incomplete_reasons(str(folder), 4, with_critic) == ["no critic/"]
+    assert checkpoints.incomplete_reasons(str(folder), 4, SYNC) == []
+    assert resolve_auto_resume(str(root), with_critic) == str(root / "global_step_2")
+
+
+def test_a_stray_copy_beside_the_step_folders_is_ignored(root):
+    save(root, 4)
+    shutil.copytree(save(root, 9), root / "global_step_9.bak")  # a complete folder under another name
+    shutil.rmtree(root / "global_step_9")
+    assert checkpoints.step_folders(str(root)) == {4: str(root / "global_step_4")}
+    assert resolve_auto_resume(str(root), SYNC) == str(root / "global_step_4")  # the tracker names the gone 9
+    assert (root / TRACKER_FILE).read_text() == "4"
+
+
+def test_the_tracker_is_fsynced_before_its_rename(root, monkeypatch):
+    """The order a node crash needs: the new tracker's bytes on disk, then the rename, then the folder entry."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        events.append(("fsync", "folder" if stat.S_ISDIR(st.st_mode) else f"file of {st.st_size} bytes"))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.basename(dst), open(src).read()))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoints.os, "fsync", fsync)
+    monkeypatch.setattr(checkpoints.os, "replace", replace)
+    checkpoints.write_tracker(str(root), 12)
+    monkeypatch.undo()
+    assert events == [("fsync", "file of 2 bytes"), ("replace", TRACKER_FILE, "12"), ("fsync", "folder")]
+    assert (root / TRACKER_FILE).read_text() == "12"
+
+
 def test_tracker_write_is_atomic(root, monkeypatch):
     (root / TRACKER_FILE).write_text("4")
 
@@ -178,8 +251,6 @@ def test_the_state_file_comes_after_verls_save_and_a_stale_one_goes_first(root, 
     from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    from gtpo.verl_plugin.trainer import GTPOTrainerSync
-
     seen = {}
 
     class UserCallback(CheckpointCallback):
@@ -195,8 +266,7 @@ def test_the_state_file_comes_after_verls_save_and_a_stale_one_goes_first(root, 
         trainer.checkpoint_callback.on_save(trainer=trainer, global_step=6, checkpoint_dir=str(stale))
 
     monkeypatch.setattr(PPOTrainerSync, "_save_checkpoint", verl_save)
-    trainer = object.__new__(GTPOTrainerSync)
-    trainer.config = _config(root)
+    trainer = make_trainer(root)
     trainer.global_steps = 6
     trainer.checkpoint_callback = checkpoint_state.StateAfterSave(UserCallback())
     trainer._save_checkpoint()
@@ -208,10 +278,21 @@ def test_the_state_file_comes_after_verls_save_and_a_stale_one_goes_first(root, 
     assert seen["user"] == "no gtpo_state.json"  # an asynchronous save may still be writing: never complete
 
 
-def _config(root):
+def make_trainer(root, use_critic=False, **trainer):
+    """A sync trainer as far as its checkpoint methods look: config and use_critic (no workers)."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.create({"trainer": {"default_local_dir": str(root)}})
+    from gtpo.verl_plugin.trainer import GTPOTrainerSync
+
+    trainer_cfg = {"default_local_dir": str(root), "nnodes": 1, "n_gpus_per_node": 1, "resume_mode": "auto"}
+    contents = ["model", "optimizer", "extra"]
+    role = {"strategy": "fsdp2", "checkpoint": {"save_contents": contents, "load_contents": contents}}
+    out = object.__new__(GTPOTrainerSync)
+    out.config = OmegaConf.create(
+        {"trainer": {**trainer_cfg, **trainer}, "actor_rollout_ref": {"actor": role}, "critic": role, "algorithm": {}}
+    )
+    out.use_critic = use_critic
+    return out
 
 
 @pytest.mark.parametrize(

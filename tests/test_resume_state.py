@@ -110,6 +110,46 @@ def test_an_older_log_with_repeated_steps_is_rewritten_one_line_per_step(log_pat
     assert [d["run"] for _, d in read_file_log(log_path)] == ["a", "b", "b", "b"]
 
 
+def test_a_log_out_of_step_order_keeps_the_steps_up_to_the_checkpoint_once_each(log_path):
+    """Lines in file order 1, 3, 2, 5, 4, 3 (two writers on one path, or logs joined by hand): after a resume at 3
+    the log holds steps 1, 2, 3 in order, the twice-logged step 3 merged (the later value wins), then the new steps."""
+    records = [(1, "a"), (3, "a"), (2, "a"), (5, "a"), (4, "a"), (3, "b")]
+    log_path.write_text("".join(json.dumps({"step": s, "data": {"v": s, "run": r}}) + "\n" for s, r in records))
+    lines = log_path.read_text().splitlines()
+    resumed = _resumed(log_path, 3)
+    _log_steps(resumed, [4], "resumed")
+    resumed.finish()
+    assert _raw_steps(log_path) == [1, 2, 3, 4]
+    assert log_path.read_text().splitlines()[:2] == [lines[0], lines[2]]  # a step logged once: its line, as it was
+    assert read_file_log(log_path)[2:] == [
+        (3, {"v": 3, "run": "b"}),
+        (4, {"critic/score/mean": 4.0, "run": "resumed"}),
+    ]
+
+
+def test_a_fresh_run_leaves_no_aside_copy_of_an_old_log(log_path):
+    """A resume killed before attach leaves the old run's log aside; the next start is a fresh run
+    (``resume_mode=disable``). The aside copy must go, or this run's first resume would take it for its history."""
+    old = _tracking()
+    _log_steps(old, [1, 2, 3], "old")
+    old.finish()
+    aside = log_path.parent / (log_path.name + metric_history.ASIDE_SUFFIX)
+    metric_history.MetricHistory(2, str(log_path))
+    assert aside.exists()
+
+    history = metric_history.MetricHistory(0, str(log_path))
+    fresh = _tracking()
+    history.attach(fresh)
+    _log_steps(fresh, [1, 2, 3], "fresh")
+    fresh.finish()
+    assert not aside.exists()
+    assert [d["run"] for _, d in read_file_log(log_path)] == ["fresh", "fresh", "fresh"]
+
+    _resumed(log_path, 2).finish()  # this run's own first resume
+    assert [d["run"] for _, d in read_file_log(log_path)] == ["fresh", "fresh"]
+    assert not aside.exists()
+
+
 def test_kill_between_set_aside_and_attach_keeps_the_history(log_path):
     first = _tracking()
     _log_steps(first, [1, 2], "first")

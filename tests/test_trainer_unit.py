@@ -110,5 +110,11 @@ def test_advantage_step_feeds_entropy_and_tokens_and_skips_padding_rows():
     # what this call saw: the 8 real rows of groups a, b, c (the padding row and its "pad" uid stay out)
     seen = {k: metrics.pop(k) for k in ("gtpo/estimator_rows", "gtpo/estimator_groups", "gtpo/estimator_calls_total")}
     assert seen == {"gtpo/estimator_rows": 8.0, "gtpo/estimator_groups": 3.0, "gtpo/estimator_calls_total": 1.0}
+    # groups of 3, 3 and 2 responses, all short of rollout.n
+    n = trainer.config.actor_rollout_ref.rollout.n
+    assert n > 3 and metrics.pop("gtpo/min_group_size") == 2.0 and metrics.pop("gtpo/short_groups") == 3.0
+    # the kernel's compile time is logged by the first call of the process only
+    metrics.pop("gtpo/kernel_compile_s", None)
+    expected_metrics.pop("gtpo/kernel_compile_s", None)
     assert metrics == expected_metrics
     assert "gtpo/conflict_token_frac" in metrics and metrics["gtpo/frac_groups_all_wrong"] == 0.0

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=float, default=0.8, help="reward the trailing window mean must reach (0.8)")
     p.add_argument("--timeout", type=float, default=1800.0, help="kill a run after this many seconds")
     p.add_argument("--ray-address", default=None, help="join this running Ray cluster instead of starting one")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of every run (default 1; more need --ray-address)")
+    p.add_argument("--gpus-per-node", type=int, default=1, help="FSDP ranks / vLLM replicas per node (default 1)")
     p.add_argument("--cache-dir", default=None, help="asset cache (default $GTPO_CACHE_DIR or ~/.cache/gtpo/tiny)")
     p.add_argument("--list", action="store_true", help="print the configurations and exit")
     p.add_argument(
@@ -196,7 +198,7 @@ def write_outputs(out: Path, results: dict, seeds_paths: list[tuple[str, Path]])
 # the sweep
 
 
-def start_local_ray() -> str:
+def start_local_ray(gpus: int = 1) -> str:
     """Start a Ray head in this process for the sweep's runs (the CPU backend's environment); its GCS address."""
     import ray
 
@@ -204,7 +206,7 @@ def start_local_ray() -> str:
 
     os.environ.update(cpu_env())
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ctx = ray.init(num_cpus=16, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    ctx = ray.init(num_cpus=16, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     return ctx.address_info["gcs_address"]
 
 
@@ -238,9 +240,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         names = parse_configs(args.configs)
-        for key in ("seeds", "steps", "window"):
+        for key in ("seeds", "steps", "window", "nnodes", "gpus_per_node"):
             if getattr(args, key) < 1:
-                raise ValueError(f"--{key}={getattr(args, key)}: must be >= 1")
+                raise ValueError(f"--{key.replace('_', '-')}={getattr(args, key)}: must be >= 1")
+        if args.nnodes > 1 and not args.ray_address:
+            raise ValueError(
+                f"--nnodes={args.nnodes} needs --ray-address of a cluster with that many nodes "
+                f"(on one host: python -m gtpo.cpu.cluster start --nodes {args.nnodes})"
+            )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -248,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     seeds = list(range(args.seeds))
     assets = {s: build_demo_assets(args.cache_dir, seed=s, task=args.task) for s in seeds}
-    address = args.ray_address or start_local_ray()
+    address = args.ray_address or start_local_ray(args.gpus_per_node)
     t0 = time.monotonic()
     results = {
         "command": "python -m gtpo.cpu.compare " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -258,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": seeds,
         "window": args.window,
         "target": args.target,
+        "world_size": {"nnodes": args.nnodes, "gpus_per_node": args.gpus_per_node},
         "configurations": {},
     }
     seeds_paths: list[tuple[str, Path]] = []
@@ -269,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             summary = run_demo(
                 assets[seed], method, args.steps, seed, run_out, list(overrides), timeout=args.timeout,
                 ray_address=address, label=f"{name} s{seed}", plots=False, experiment=f"{name}_s{seed}",
+                nnodes=args.nnodes, gpus_per_node=args.gpus_per_node,
             )  # fmt: skip
             rec = run_record(run_out / "metrics.jsonl", summary, args.window, args.target)
             runs.append(rec)

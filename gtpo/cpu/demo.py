@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -203,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="training step drawn in the token heatmap (default: the step whose reward is closest to 0.5)",
     )
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of the run (default 1; more need --ray-address)")
+    p.add_argument("--gpus-per-node", type=int, default=1, help="FSDP ranks / vLLM replicas per node (default 1)")
+    p.add_argument(
+        "--ray-address",
+        default=os.environ.get("RAY_ADDRESS") or None,
+        help="join this running Ray cluster, e.g. one from `python -m gtpo.cpu.cluster start` (default $RAY_ADDRESS)",
+    )
     p.add_argument("--assets-only", action="store_true", help="build the assets, print their paths and exit")
     p.add_argument("--dry-run", action="store_true", help="print the trainer command and exit")
     return p
@@ -227,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     run_name = args.method if args.task == DEFAULT_TASK else f"{args.method}_{args.task}"
     out = Path(args.out or REPO_ROOT / "outputs" / "cpu_demo" / run_name).expanduser().resolve()
     try:
-        cmd = demo_command(assets, args.method, args.steps, args.seed, out, extra)
+        world = {"nnodes": args.nnodes, "gpus_per_node": args.gpus_per_node}
+        cmd = demo_command(assets, args.method, args.steps, args.seed, out, extra, args.ray_address, **world)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -237,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = run_demo(
         assets, args.method, args.steps, args.seed, out, extra, timeout=args.timeout, label="demo", plots=True,
-        also_plot=args.also_plot, heatmap_step_=args.heatmap_step,
+        also_plot=args.also_plot, heatmap_step_=args.heatmap_step, ray_address=args.ray_address, **world,
     )  # fmt: skip
     rc, log_path = summary["returncode"], out / "train.log"
     print(f"[demo] trainer exit code {rc}, wall time {summary['wall_s']:.0f} s, {summary['steps']} steps logged")
@@ -272,13 +281,27 @@ def demo_command(
     extra: list[str],
     ray_address: str | None = None,
     experiment: str | None = None,
+    nnodes: int = 1,
+    gpus_per_node: int = 1,
 ) -> list[str]:
-    """The trainer command of one demo run writing into ``out``; ``ray_address`` joins a running Ray cluster."""
+    """The trainer command of one demo run writing into ``out``; ``ray_address`` joins a running Ray cluster, which
+    a run of several nodes needs (``python -m gtpo.cpu.cluster start --nodes N``)."""
     overrides = demo_overrides(
-        assets, steps, seed, out / "rollouts", experiment=experiment or f"{method}_s{seed}", method=method
-    )
-    # Joining a cluster: ray.init must not be given resources (the cluster has them).
-    joined = ["ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null"] if ray_address else []
+        assets, steps, seed, out / "rollouts", experiment=experiment or f"{method}_s{seed}", method=method,
+        nnodes=nnodes, gpus_per_node=gpus_per_node,
+    )  # fmt: skip
+    if ray_address:
+        # Joining a cluster: ray.init must not be given resources (the cluster has them).
+        joined = ["ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null"]
+    elif nnodes > 1:
+        raise ValueError(
+            f"nnodes={nnodes}: a run of several nodes joins a Ray cluster of that many nodes; on one host start one "
+            f"with `python -m gtpo.cpu.cluster start --nodes {nnodes} --gpus-per-node {gpus_per_node}` and pass its "
+            "address (--ray-address or RAY_ADDRESS)"
+        )
+    else:
+        # A local Ray node with one logical GPU per rank.
+        joined = [f"ray_kwargs.ray_init.num_gpus={gpus_per_node}"]
     hydra_dir = f"hydra.run.dir={out / 'hydra'}"
     return trainer_command(method, overrides, out / "metrics.jsonl", [*joined, hydra_dir, *extra])
 
@@ -298,13 +321,15 @@ def run_demo(
     also_plot: list[str] | None = None,
     heatmap_step_: int | None = None,
     experiment: str | None = None,
+    nnodes: int = 1,
+    gpus_per_node: int = 1,
 ) -> dict:
     """Train one demo run into ``out`` (``metrics.jsonl``, ``train.log``, plots), with the live progress line.
 
     Returns the summary (also written to ``out/summary.json``): method, seed, exit code, wall time, the reward
     summary of :func:`summarize` and, with ``plots``, the paths of the curves and the token heatmap.
     """
-    cmd = demo_command(assets, method, steps, seed, out, extra, ray_address, experiment)
+    cmd = demo_command(assets, method, steps, seed, out, extra, ray_address, experiment, nnodes, gpus_per_node)
     metrics_path, rollout_dir, log_path = out / "metrics.jsonl", out / "rollouts", out / "train.log"
     out.mkdir(parents=True, exist_ok=True)
     metrics_path.unlink(missing_ok=True)

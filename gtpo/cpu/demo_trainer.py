@@ -29,18 +29,15 @@ DEMO_SETTINGS: tuple[str, ...] = (
     "actor_rollout_ref.rollout.top_k=-1",
     "actor_rollout_ref.rollout.response_length=4",
     "actor_rollout_ref.rollout.prompt_length=8",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=128",
     "actor_rollout_ref.actor.optim.lr=1e-3",
     "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
     "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
     "actor_rollout_ref.actor.ppo_epochs=1",
     "actor_rollout_ref.actor.use_kl_loss=False",
     "actor_rollout_ref.actor.entropy_coeff=0",
     "actor_rollout_ref.actor.loss_agg_mode=token-mean",
     "actor_rollout_ref.actor.clip_ratio_low=0.2",
     "actor_rollout_ref.actor.clip_ratio_high=0.2",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=128",
     "algorithm.use_kl_in_reward=False",
     "algorithm.filter_groups.enable=False",
     "++reward.reward_kwargs.overlong_buffer_cfg.enable=False",
@@ -53,6 +50,10 @@ DEMO_SETTINGS: tuple[str, ...] = (
     "trainer.logger=[console,file]",
     "trainer.project_name=gtpo_cpu_demo",
 )
+
+# Rows of the demo's batch (8 prompts x 16 samples) and of one PPO mini-batch (2 prompts x 16 samples).
+BATCH_ROWS = 8 * 16
+MINI_BATCH_ROWS = 2 * 16
 
 # Per-method demo settings, appended after DEMO_SETTINGS (none: every method runs its preset and the recipe's defaults).
 METHOD_SETTINGS: dict[str, tuple[str, ...]] = {}
@@ -71,6 +72,28 @@ def method_overrides(method: str) -> list[str]:
     return [f"algorithm.adv_estimator={method}"]
 
 
+def world_overrides(nnodes: int = 1, gpus_per_node: int = 1) -> list[str]:
+    """The demo's world size and the micro-batches that divide at it: each rank takes its share of a mini-batch in
+    one micro-batch, and of the batch in one log-prob pass (the same passes per rank at any world size)."""
+    for name, value in (("nnodes", nnodes), ("gpus_per_node", gpus_per_node)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be a positive int")
+    world = nnodes * gpus_per_node
+    if MINI_BATCH_ROWS % world:
+        allowed = [w for w in range(1, MINI_BATCH_ROWS + 1) if MINI_BATCH_ROWS % w == 0]
+        raise ValueError(
+            f"world size {nnodes} x {gpus_per_node} = {world}: the demo's mini-batch of {MINI_BATCH_ROWS} responses "
+            f"splits evenly only over {allowed} ranks"
+        )
+    return [
+        f"trainer.nnodes={nnodes}",
+        f"trainer.n_gpus_per_node={gpus_per_node}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={MINI_BATCH_ROWS // world}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={BATCH_ROWS // world}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={BATCH_ROWS // world}",
+    ]
+
+
 def demo_overrides(
     assets: DemoAssets,
     steps: int,
@@ -78,10 +101,14 @@ def demo_overrides(
     rollout_dir: str | os.PathLike | None = None,
     experiment: str = "demo",
     method: str | None = None,
+    nnodes: int = 1,
+    gpus_per_node: int = 1,
 ) -> list[str]:
-    """Hydra overrides of the demo run (without ``backend=`` / ``method=``); ``method`` adds its METHOD_SETTINGS."""
+    """Hydra overrides of the demo run (without ``backend=`` / ``method=``); ``method`` adds its METHOD_SETTINGS;
+    ``nnodes`` x ``gpus_per_node`` FSDP ranks and vLLM replicas (:func:`world_overrides`)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r}: must be a positive int")
+    world = world_overrides(nnodes, gpus_per_node)
     out = [
         f"data.train_files={assets.train_parquet}",
         f"data.val_files={assets.val_parquet}",
@@ -90,6 +117,7 @@ def demo_overrides(
         f"actor_rollout_ref.model.path={assets.model_dir}",
         f"actor_rollout_ref.model.tokenizer_path={assets.tokenizer_dir}",
         *DEMO_SETTINGS,
+        *world,
         *METHOD_SETTINGS.get(method or "", ()),
         f"trainer.total_training_steps={steps}",
         f"trainer.experiment_name={experiment}",

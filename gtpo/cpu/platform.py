@@ -10,16 +10,19 @@ and an int 0 would mean ``cuda:0``. ``device_module`` is a stand-in wrapping ``t
 memory / RNG / naming calls verl makes unconditionally (memory stats read 0, ``mem_get_info`` reports 8 of 16 GiB
 free, ``get_device_name`` is ``"CPU"`` so the FLOPs counter finds no peak and reports 0 MFU).
 
-Importing this module also changes one verl default: ``verl.utils.distributed.initialize_global_process_group_ray``
-builds ``"cpu:gloo,<device>:<backend>"``, which is ``"cpu:gloo,cpu:gloo"`` here and rejected by torch as a duplicate
-device type; the wrapper makes a missing ``backend`` default to plain ``"gloo"``. The wrapper is installed before
-``verl.workers.engine_workers`` binds the name, because the module is listed in ``VERL_USE_EXTERNAL_MODULES`` and
-imported from ``verl/__init__``.
+Importing this module with ``VERL_PLATFORM=cpu`` also changes one verl default:
+``verl.utils.distributed.initialize_global_process_group_ray`` builds ``"cpu:gloo,<device>:<backend>"``, which is
+``"cpu:gloo,cpu:gloo"`` here and rejected by torch as a duplicate device type; the wrapper makes a missing
+``backend`` default to plain ``"gloo"``. The wrapper is installed before ``verl.workers.engine_workers`` binds the
+name, because the module is listed in ``VERL_USE_EXTERNAL_MODULES`` and imported from ``verl/__init__``. Without
+``VERL_PLATFORM=cpu`` the import only registers the platform: on a GPU worker the wrapper would make FSDP's process
+group gloo-only, silently and very slowly.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import types
 from contextlib import contextmanager
 from typing import Any
@@ -207,4 +210,6 @@ def _install_gloo_default() -> None:
             mod.initialize_global_process_group_ray = initialize_global_process_group_ray
 
 
-_install_gloo_default()
+# verl reads VERL_PLATFORM the same way (verl/plugin/platform/platform_manager.py).
+if os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu":
+    _install_gloo_default()

@@ -1,4 +1,5 @@
-"""Which checkpoint a resume starts from, whatever instant of a save the previous attempt was killed at.
+"""Which checkpoint a resume starts from, whatever instant of a save the previous attempt was killed at, and which
+checkpoints the disk keeps.
 
 verl 0.9.1's ``_save_checkpoint`` (``verl/trainer/ppo/v1/trainer_base.py``) writes, in order: ``actor/`` (the
 workers' shards and ``huggingface/``), ``critic/`` when there is a critic, ``data.pt`` (the dataloader),
@@ -10,10 +11,17 @@ start fails with ``ValueError: invalid literal for int()``. The tracker write is
 to copy ``_save_checkpoint`` to replace it); what the recipe owns is the resume.
 
 A ``global_step_<N>`` folder is **complete** when it holds everything ``_load_checkpoint`` reads and the file
-written last: a non-empty ``actor/``, ``data.pt``, a non-empty ``critic/`` (with a critic), ``transfer_queue/``
-(asynchronous modes) and a readable ``gtpo_state.json`` for step N. The state file is written after all the
-others, so a folder that has it was written whole; a folder whose ``actor/`` verl's ``max_actor_ckpt_to_keep``
-removed is not complete either.
+written last: ``actor/`` with every rank's shards, ``data.pt``, ``critic/`` likewise (with a critic),
+``transfer_queue/`` (asynchronous modes) and a readable ``gtpo_state.json`` for step N. verl's FSDP checkpoint
+manager (``verl/utils/checkpoint/fsdp_checkpoint_manager.py``) writes one file per rank and content,
+``{model,optim,extra_state}_world_size_<W>_rank_<r>.pt``, and each rank loads the files named with the run's world
+size and its own rank. So ``actor/`` (and ``critic/``) must hold, for the ``W`` its file names give, ranks
+``0..W-1`` of every content the resume loads (``checkpoint.load_contents``, by default what ``save_contents``
+wrote: all three) and of every content present, none of them empty, and files of one ``W`` only. On another
+strategy (Megatron: its own format) a non-empty folder is all that is checked. The state file is written after all
+the others, so a folder without it was not written whole; the shard check catches what goes missing after it (a
+removal cut short, a node's write-back cache lost), which would otherwise fail the resume inside ``torch.load``.
+A folder whose ``actor/`` verl's ``max_actor_ckpt_to_keep`` removed is not complete either.
 
 :func:`resolve_auto_resume` (``trainer.resume_mode=auto``, before verl's ``_load_checkpoint``):
 
@@ -25,6 +33,27 @@ removed is not complete either.
   (a warning names any half-written folder, which the next save overwrites);
 * a tracker but no complete folder: refused (``RuntimeError`` naming the folder and what each candidate lacks),
   since starting over would silently discard a run that did checkpoint.
+
+**World size.** A checkpoint saved by ``W`` ranks cannot be loaded by another number: the files of the run's world
+size do not exist, and the run would fail inside a worker. Resharding is not attempted (each FSDP2 shard is a
+rank's slice of DTensors, and the optimizer state is sharded alike): :func:`check_resume_world_size` refuses such a
+resume (``auto`` or ``resume_path``) before any worker loads, naming both sizes, the folder and the ways out
+(resume with ``W`` GPUs, or merge the weights with verl's model merger and start a new run from them). A save at
+step N first removes shard files of another world size left in ``global_step_<N>`` by an abandoned attempt
+(:func:`discard_other_world_sizes`), so the recipe's own saves never mix two sizes in one folder.
+
+**Retention.** verl's ``max_actor_ckpt_to_keep`` counts only the saves of the running process: after a resume the
+earlier checkpoints are never deleted, and nothing deletes ``transfer_queue/`` (the asynchronous modes' stored
+trajectories). After each save, :func:`prune_checkpoints` keeps the folder just saved and the newest ``K - 1``
+complete folders of lower steps, ``K`` being ``trainer.max_actor_ckpt_to_keep`` (with a critic, the smaller of it
+and ``trainer.max_critic_ckpt_to_keep``: a checkpoint lacking either cannot be resumed); null or <= 0 keeps every
+checkpoint, as in verl. Every other folder of a lower step is removed whole (``actor/``, ``critic/``, ``data.pt``,
+``transfer_queue/``), complete or not: a lower step than a complete save can no longer be resumed by ``auto``. The
+removal starts with ``gtpo_state.json``, so a folder whose removal is cut short never passes for complete, and the
+next save finishes it. Never touched: the folder the tracker names, the folder just saved (nothing is removed at
+all when it is not complete, e.g. an asynchronous save still writing) and folders of higher steps (a killed
+attempt's later saves after a resume from an earlier one; they are rewritten or pruned once the run passes them).
+So the disk holds at most ``K`` checkpoints of steps up to the latest save however often the job is requeued.
 """
 
 from __future__ import annotations
@@ -32,23 +61,39 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 from dataclasses import dataclass
+from typing import Any
 
-from gtpo.verl_plugin.checkpoint_state import STATE_FILE, read_state
+from gtpo.verl_plugin.checkpoint_state import STATE_FILE, discard_state, read_state
 
 __all__ = [
+    "SHARD_KINDS",
     "TRACKER_FILE",
     "CheckpointLayout",
+    "check_resume_world_size",
+    "checkpoint_world_size",
+    "discard_other_world_sizes",
     "incomplete_reasons",
+    "loaded_shards",
     "newest_complete",
+    "prune_checkpoints",
     "read_tracker",
     "resolve_auto_resume",
+    "shard_name",
     "step_folders",
     "write_tracker",
 ]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # verl's get_checkpoint_tracker_filename
 _STEP_DIR = re.compile(r"global_step_(\d+)")
+
+# The per-rank files of verl's FSDPCheckpointManager, and the checkpoint.load_contents entry that loads each.
+SHARD_KINDS = ("model", "optim", "extra_state")
+_CONTENT_OF_KIND = {"model": "model", "optim": "optimizer", "extra_state": "extra"}
+_SHARD_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt")
+_FSDP_STRATEGIES = frozenset({"fsdp", "fsdp2"})
+_ROLE_DIRS = ("actor", "critic")  # verl's folder names for Role.Actor* and Role.Critic
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +104,45 @@ class CheckpointLayout:
 
     use_critic: bool = False
     async_mode: bool = False  # colocate_async / separate_async save transfer_queue/
+    # The per-rank files the resume loads from actor/ (critic/), from loaded_shards(); () on a non-FSDP strategy.
+    actor_shards: tuple[str, ...] = SHARD_KINDS
+    critic_shards: tuple[str, ...] = SHARD_KINDS
+
+
+def shard_name(kind: str, world_size: int, rank: int) -> str:
+    """verl's name of one rank's file, e.g. ``model_world_size_2_rank_1.pt``."""
+    return f"{kind}_world_size_{world_size}_rank_{rank}.pt"
+
+
+def loaded_shards(role_config: Any) -> tuple[str, ...]:
+    """The kinds of per-rank file (:data:`SHARD_KINDS`) a resume loads for one role, from its config block
+    (``actor_rollout_ref.actor`` or ``critic``): one per entry of ``checkpoint.load_contents`` (verl's default: model,
+    optimizer, extra) on ``strategy`` fsdp/fsdp2; ``()`` on another strategy, whose format is not read here."""
+    if str(role_config.get("strategy", "fsdp")) not in _FSDP_STRATEGIES:
+        return ()
+    contents = (role_config.get("checkpoint", None) or {}).get("load_contents", None)
+    if contents is None:
+        contents = ["model", "optimizer", "extra"]  # BaseCheckpointManager's default
+    return tuple(kind for kind in SHARD_KINDS if _CONTENT_OF_KIND[kind] in contents)
+
+
+def _shards(directory: str) -> dict[int, dict[tuple[str, int], int]]:
+    """``{W: {(kind, rank): size in bytes}}`` of the shard files in ``directory``."""
+    found: dict[int, dict[tuple[str, int], int]] = {}
+    try:
+        with os.scandir(directory) as it:
+            for entry in it:
+                m = _SHARD_FILE.fullmatch(entry.name)
+                if m and entry.is_file():
+                    found.setdefault(int(m.group(2)), {})[(m.group(1), int(m.group(3)))] = entry.stat().st_size
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    return found
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _non_empty_dir(path: str) -> bool:
@@ -69,15 +153,36 @@ def _non_empty_dir(path: str) -> bool:
         return False
 
 
+def _role_reasons(folder: str, role: str, kinds: tuple[str, ...]) -> list[str]:
+    """Why ``folder/<role>/`` cannot be loaded: missing, another world size's files mixed in, or shards lacking."""
+    path = os.path.join(folder, role)
+    if not _non_empty_dir(path):
+        return [f"no {role}/"]
+    found = _shards(path)
+    if len(found) > 1:
+        return [f"{role}/ mixes the shards of world sizes {', '.join(map(str, sorted(found)))}"]
+    if not found:
+        return [f"{role}/ has no {kinds[0]}_world_size_<W>_rank_<r>.pt"] if kinds else []
+    ((world_size, files),) = found.items()
+    # The loaded kinds, and any other kind saved: a partial set of it means files were lost.
+    wanted = [kind for kind in SHARD_KINDS if kind in kinds or any(k == kind for k, _ in files)]
+    missing = [shard_name(k, world_size, r) for k in wanted for r in range(world_size) if (k, r) not in files]
+    empty = [shard_name(k, world_size, r) for k in wanted for r in range(world_size) if files.get((k, r)) == 0]
+    reasons = []
+    if missing:
+        reasons.append(f"{role}/ lacks {_some(missing)}")
+    if empty:
+        reasons.append(f"{role}/ has an empty {_some(empty)}")
+    return reasons
+
+
 def incomplete_reasons(folder: str, step: int, layout: CheckpointLayout) -> list[str]:
     """Why ``folder`` (the checkpoint of ``step``) is not complete, e.g. ``["no data.pt"]``; ``[]`` when complete."""
     if not os.path.isdir(folder):
         return ["no such folder"]
-    reasons = []
-    if not _non_empty_dir(os.path.join(folder, "actor")):
-        reasons.append("no actor/")
-    if layout.use_critic and not _non_empty_dir(os.path.join(folder, "critic")):
-        reasons.append("no critic/")
+    reasons = _role_reasons(folder, "actor", layout.actor_shards)
+    if layout.use_critic:
+        reasons += _role_reasons(folder, "critic", layout.critic_shards)
     if not os.path.isfile(os.path.join(folder, "data.pt")):
         reasons.append("no data.pt")
     if layout.async_mode and not os.path.isdir(os.path.join(folder, "transfer_queue")):
@@ -88,6 +193,78 @@ def incomplete_reasons(folder: str, step: int, layout: CheckpointLayout) -> list
     elif state.get("global_steps") != step:
         reasons.append(f"{STATE_FILE} is of step {state.get('global_steps')!r}")
     return reasons
+
+
+def checkpoint_world_size(folder: str) -> int | None:
+    """The world size the checkpoint ``folder``'s ``actor/`` was saved at, read from its shard file names; None when
+    it holds no shard file (nothing saved, or a non-FSDP format).
+
+    Raises:
+        ValueError: ``actor/`` holds the shards of several world sizes.
+    """
+    found = _shards(os.path.join(folder, "actor"))
+    if len(found) > 1:
+        raise ValueError(f"{folder}/actor mixes the shards of world sizes {', '.join(map(str, sorted(found)))}")
+    return next(iter(found), None)
+
+
+def _shape_for(world_size: int, n_gpus_per_node: int) -> tuple[int, int]:
+    """A ``(nnodes, n_gpus_per_node)`` of ``world_size`` GPUs: the run's GPUs per node where they divide it."""
+    if n_gpus_per_node > 1 and world_size % n_gpus_per_node == 0:
+        return world_size // n_gpus_per_node, n_gpus_per_node
+    return 1, world_size
+
+
+def check_resume_world_size(folder: str, nnodes: int, n_gpus_per_node: int) -> None:
+    """Refuse to resume from ``folder`` at another world size than its shards were saved at.
+
+    The run's world size is ``trainer.nnodes × trainer.n_gpus_per_node``: verl's actor (and critic) workers fill the
+    whole global resource pool in every trainer mode. A folder without shard files is left to verl.
+
+    Raises:
+        RuntimeError: the sizes differ (or ``actor/`` mixes several), naming both, the folder and the ways out.
+    """
+    run = int(nnodes) * int(n_gpus_per_node)
+    folder = os.path.abspath(folder)
+    try:
+        saved = checkpoint_world_size(folder)
+    except ValueError as err:
+        raise RuntimeError(f"cannot resume from {folder}: {err}; resume from another checkpoint") from None
+    if saved is None or saved == run:
+        return
+    nodes, per_node = _shape_for(saved, int(n_gpus_per_node))
+    actor, merged = os.path.join(folder, "actor"), f"{folder}_hf"
+    raise RuntimeError(
+        f"cannot resume from {folder} at world size {run} (trainer.nnodes={nnodes} x "
+        f"trainer.n_gpus_per_node={n_gpus_per_node}): it was saved at world size {saved} "
+        f"({shard_name('model', saved, 0)} ... {shard_name('model', saved, saved - 1)}), and each of verl's workers "
+        f"loads only the shards of its own world size and rank. Either resume on {saved} GPUs "
+        f"(trainer.nnodes x trainer.n_gpus_per_node = {saved}, e.g. trainer.nnodes={nodes} "
+        f"trainer.n_gpus_per_node={per_node}), or merge its weights into a Hugging Face model, "
+        f"`python -m verl.model_merger merge --backend fsdp --local_dir {actor} --target_dir {merged}`, and start a "
+        f"new run from them with actor_rollout_ref.model.path={merged} and another trainer.default_local_dir (the "
+        "optimizer state, the data order and the step count then start afresh)."
+    )
+
+
+def discard_other_world_sizes(folder: str, world_size: int) -> list[str]:
+    """Remove the shard files of any world size but ``world_size`` from ``folder``'s ``actor/`` and ``critic/``: left
+    by an abandoned attempt at this step at another size, they would make the save about to rewrite the folder mix
+    two sizes. Returns the removed paths."""
+    removed = []
+    for role in _ROLE_DIRS:
+        directory = os.path.join(folder, role)
+        for size, files in _shards(directory).items():
+            if size == world_size:
+                continue
+            for kind, rank in files:
+                path = os.path.join(directory, shard_name(kind, size, rank))
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    continue
+                removed.append(path)
+    return removed
 
 
 def step_folders(root: str) -> dict[int, str]:
@@ -110,6 +287,57 @@ def newest_complete(root: str, layout: CheckpointLayout) -> tuple[int, str] | No
         if not incomplete_reasons(folder, step, layout):
             return step, folder
     return None
+
+
+def _retention_limit(max_ckpt_to_keep: Any) -> int | None:
+    """verl's reading of ``max_*_ckpt_to_keep``: a positive int is a limit, anything else keeps all (None)."""
+    if isinstance(max_ckpt_to_keep, int) and max_ckpt_to_keep > 0:
+        return max_ckpt_to_keep
+    return None
+
+
+def _remove_checkpoint(folder: str) -> bool:
+    try:
+        discard_state(folder)  # first: a removal cut short leaves a folder that no longer passes for complete
+        shutil.rmtree(folder)
+    except OSError as err:
+        logger.warning("could not remove the old checkpoint %s (%s); the next save tries again", folder, err)
+        return False
+    return True
+
+
+def prune_checkpoints(
+    root: str,
+    saved_step: int,
+    layout: CheckpointLayout,
+    max_actor_ckpt_to_keep: Any,
+    max_critic_ckpt_to_keep: Any = None,
+) -> list[str]:
+    """After the save of ``saved_step`` into ``root``: remove the checkpoint folders of lower steps that the
+    retention limits do not keep (the rule is in the module docstring). Returns the removed folders."""
+    limits = [_retention_limit(max_actor_ckpt_to_keep)]
+    if layout.use_critic:
+        limits.append(_retention_limit(max_critic_ckpt_to_keep))
+    limits = [k for k in limits if k is not None]
+    if not limits:
+        return []
+    folders = step_folders(root)
+    saved = folders.get(saved_step)
+    if saved is None or incomplete_reasons(saved, saved_step, layout):
+        return []  # the older checkpoints may be the newest complete ones
+    tracked, _ = read_tracker(root)
+    room = min(limits) - 1  # the folder just saved is the first one kept
+    removed = []
+    for step in sorted((s for s in folders if s < saved_step), reverse=True):
+        folder = folders[step]
+        if step == tracked:
+            continue
+        if room > 0 and not incomplete_reasons(folder, step, layout):
+            room -= 1
+            continue
+        if _remove_checkpoint(folder):
+            removed.append(folder)
+    return removed
 
 
 def read_tracker(root: str) -> tuple[int | None, str]:

@@ -31,7 +31,12 @@ backward recompute verl's checkpointed chunked entropy with autograd, keeping ``
 fp32 copy and softmax of every chunk, ~28 GiB at the 7B preset's 24,576-token budget) plus a third logits copy
 (:mod:`gtpo.verl_plugin.memory_estimate`). The selection keeps the paper's definition: the training policy's
 entropy of this very forward pass. Metrics (loss side, logged by verl as ``actor/forking/...``):
-``forking/selected_token_frac``, ``forking/entropy_threshold``.
+``forking/selected_token_frac``, ``forking/entropy_threshold`` (each micro-batch's threshold; averaged over
+micro-batches, ranks and mini-batches like verl's own loss metrics). Any min / max metric of the policy loss inside
+(``grpo_s/seq_ratio_min|max``) is aggregated as a min / max (:func:`gtpo.verl_plugin.entropy_shaping.tag_extrema`).
+
+:func:`install` is the recipe's one place that replaces verl's actor loss: :class:`ForkingPPOLoss` with forking
+tokens, else the grpo_s policy loss's :class:`gtpo.verl_plugin.entropy_shaping.GRPOSPPOLoss`.
 """
 
 from __future__ import annotations
@@ -128,6 +133,8 @@ class ForkingPPOLoss:
         from verl.workers.utils.losses import ppo_loss
         from verl.workers.utils.padding import no_padding_2_padding
 
+        from gtpo.verl_plugin.entropy_shaping import tag_extrema
+
         log_prob = no_padding_2_padding(model_output["log_probs"], data)
         width = log_prob.shape[1]
         resp_nested = data["response_mask"]
@@ -170,6 +177,7 @@ class ForkingPPOLoss:
             # No entropy bonus: nothing may backpropagate into the entropy (see the module docstring).
             outputs = {**model_output, "entropy": model_output["entropy"].detach()}
         loss, metrics = ppo_loss(self.config, outputs, sub, dp_group=dp_group)
+        tag_extrema(metrics)
         extra = {
             "forking/selected_token_frac": n_sel / max(n_valid, 1),
             "forking/entropy_threshold": float(tau) if torch.isfinite(tau) else 0.0,
@@ -198,17 +206,21 @@ def batch_threshold_extra_info(entropy: torch.Tensor, response_mask: torch.Tenso
 
 
 def install(trainer: Any) -> ForkingParams | None:
-    """Install :class:`ForkingPPOLoss` in every actor worker when ``algorithm.forking.enable``; else do nothing.
+    """Install :class:`ForkingPPOLoss` in every actor worker when ``algorithm.forking.enable``; else, with the grpo_s
+    policy loss, :class:`gtpo.verl_plugin.entropy_shaping.GRPOSPPOLoss`; else leave verl's loss.
 
     Call once after ``init_workers`` (the actor worker group exists) and before the first step.
 
     Returns:
-        The parsed params when installed, else None.
+        The parsed params when the forking loss is installed, else None.
     """
     from verl.utils.config import omega_conf_to_dataclass
 
+    from gtpo.verl_plugin.entropy_shaping import install_grpo_s_loss
+
     params = load_params(trainer.config.algorithm)
     if not params.enable:
+        install_grpo_s_loss(trainer)
         return None
     actor_config = omega_conf_to_dataclass(trainer.config.actor_rollout_ref.actor)
     if params.scope == "micro_batch" and not actor_config.calculate_entropy:

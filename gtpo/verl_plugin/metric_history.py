@@ -22,9 +22,10 @@ once per run, with the ``Tracking`` verl builds in ``fit()`` (:meth:`MetricHisto
   values and drop the resumed ones; rewinding a run (``resume_from="<id>?_step=<N>"``) is a W&B preview feature.
 * ``console``: prints what is logged, as always; the dead attempt's lines stay in its own job log.
 
-A fresh run (N = 0) is left as verl built it. A validation-only run (``trainer.val_only=true``, e.g.
-``scripts/eval_checkpoint.sh`` on an older checkpoint of a run that went on) trains nothing, so it rewinds nothing:
-the file log is kept whole and its validation appended, TensorBoard gets no purge.
+A fresh run (N = 0) is left as verl built it (verl empties the file log), and an aside copy of an earlier run's log
+is removed: kept, it would be taken for this run's history at this run's first resume. A validation-only run
+(``trainer.val_only=true``, e.g. ``scripts/eval_checkpoint.sh`` on an older checkpoint of a run that went on) trains
+nothing, so it rewinds nothing: the file log is kept whole and its validation appended, TensorBoard gets no purge.
 """
 
 from __future__ import annotations
@@ -179,6 +180,10 @@ class MetricHistory:
         self.aside = self.path + ASIDE_SUFFIX if self.path else None
         if self.resumed_step > 0 and self.path:
             self._set_aside()
+        elif self.path and os.path.exists(self.aside):
+            # A fresh run's history starts empty; an earlier run's aside copy would replace it at the first resume.
+            logger.warning("%s: a fresh run, removing the earlier run's aside copy of the log", self.aside)
+            os.remove(self.aside)
 
     @classmethod
     def for_trainer(cls, trainer_config, resumed_step: int) -> MetricHistory:

@@ -6,8 +6,9 @@ submitted as a Ray job) runs :func:`main` with the launch script's overrides ins
 meet, one line per check, stopping at the first failure (exit status 1):
 
 1. ``config``: the recipe's knob validation and the whole dry run (resolution, registries, batch plan, verl's
-   ``validate_config``), on the same composed config, and the checkpoint engine's transport importable here
-   (cupy for ``nccl``); the startup notes follow as ``note`` lines;
+   ``validate_config``), on the same composed config, the checkpoint engine's transport importable here
+   (cupy for ``nccl``), and no CPU test backend (``VERL_PLATFORM=cpu``, ``gtpo.cpu`` modules) unless
+   ``trainer.device=cpu``; the startup notes follow as ``note`` lines;
 2. ``overlong buffer``: with DAPO's soft overlong punishment on, ``0 < len < max_resp_len`` (else every token of
    every response is penalised);
 3. ``train data`` / ``val data``: every file exists, is a parquet file with rows and the ``data.prompt_key`` column;
@@ -15,7 +16,11 @@ meet, one line per check, stopping at the first failure (exit status 1):
    (verl stops at whichever comes first);
 5. ``model``: ``actor_rollout_ref.model.path`` is a local folder (not a hub id) with ``config.json``
    (``max_position_embeddings >= max_prompt_length + max_response_length``), tokenizer files and weights;
-6. ``trackers``: ``wandb`` in ``trainer.logger`` needs ``WANDB_API_KEY`` or ``WANDB_MODE=offline|disabled``;
+6. ``trackers``: ``wandb`` in ``trainer.logger`` needs ``WANDB_API_KEY`` or ``WANDB_MODE=offline|disabled``; a
+   ``warn`` line (not a failure) for ``file`` / ``tensorboard`` writing to a relative folder
+   (``VERL_FILE_LOGGER_ROOT`` / ``VERL_FILE_LOGGER_PATH``, ``TENSORBOARD_DIR``, from the Ray runtime env or this
+   environment): verl's TaskRunner resolves it in its working directory, a Ray session's scratch folder on
+   whichever node it starts, so the log is lost with the session and a resume finds no history to keep;
 7. ``checkpoint cadence``: ``trainer.save_freq > 0`` (a Slurm time limit or a crash otherwise loses every step);
 8. ``checkpoint dir``: ``trainer.default_local_dir`` is writable here (a token file is written, removed at the end);
 9. ``ray cluster``: the GPU nodes and their GPUs match ``trainer.nnodes`` x ``trainer.n_gpus_per_node``, plus
@@ -159,9 +164,10 @@ def _as_list(value: Any) -> list[str]:
     return [str(v) for v in value]
 
 
-def _check_config(cfg: DictConfig) -> str:
+def _check_config(cfg: DictConfig, env: dict[str, str]) -> str:
     from gtpo.verl_plugin.async_checks import check_checkpoint_engine
     from gtpo.verl_plugin.dry_run import run_dry
+    from gtpo.verl_plugin.startup_checks import check_cpu_backend
     from gtpo.verl_plugin.validation import validate_recipe_config
 
     try:
@@ -169,6 +175,7 @@ def _check_config(cfg: DictConfig) -> str:
         with contextlib.redirect_stdout(io.StringIO()) as out:
             run_dry(cfg)
         check_checkpoint_engine(cfg)
+        check_cpu_backend(cfg, env)
     except ValueError as err:
         raise PreflightError("config", str(err)) from None
     summary = [line for line in out.getvalue().splitlines() if line.startswith("[dry run] resources")]
@@ -273,6 +280,34 @@ def _check_trackers(cfg: DictConfig, env: dict[str, str]) -> str:
         f"trainer.logger={loggers} but WANDB_API_KEY is unset and WANDB_MODE={mode or '<unset>'}: wandb.init would "
         "fail or hang; set the key where Ray runs, WANDB_MODE=offline, or trainer.logger=[console,file]",
     )
+
+
+def _log_dir_warnings(cfg: DictConfig, env: dict[str, str]) -> list[str]:
+    """The ``file`` / ``tensorboard`` loggers of ``trainer.logger`` whose folder is relative (verl's defaults are)."""
+    loggers = _as_list(OmegaConf.select(cfg, "trainer.logger"))
+    runtime_env = OmegaConf.select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars") or {}
+
+    def value(var: str) -> str:
+        # The runtime env is what the TaskRunner sees; the recipe's entry point copies this environment's there.
+        return str(runtime_env.get(var) or env.get(var) or "")
+
+    wanted = []
+    if "file" in loggers:
+        var = "VERL_FILE_LOGGER_PATH" if value("VERL_FILE_LOGGER_PATH") else "VERL_FILE_LOGGER_ROOT"
+        wanted.append(("file", var, "."))
+    if "tensorboard" in loggers:
+        wanted.append(("tensorboard", "TENSORBOARD_DIR", "tensorboard_log/<project>/<experiment>"))
+    warnings = []
+    for logger_name, var, default in wanted:
+        if not os.path.isabs(os.path.expanduser(value(var) or default)):
+            shown = f"{var}={value(var)}" if value(var) else f"{var} unset (verl's default {default})"
+            warnings.append(
+                f"trainer.logger has {logger_name} but {shown} is relative: verl's TaskRunner resolves it in its "
+                "working directory, a Ray session's scratch folder on whichever node it starts, so the log is lost "
+                f"with the session and a resume finds no history; set {var} to shared storage (the launch scripts "
+                "put it under CKPTS_DIR)"
+            )
+    return warnings
 
 
 def _check_cluster(cfg: DictConfig, nodes: list[dict[str, Any]], remote: bool) -> str:
@@ -402,7 +437,7 @@ def run_preflight(cfg: DictConfig, cluster: Any, env: dict[str, str] | None = No
         passed += 1
 
     try:
-        check("config", lambda: _check_config(cfg))
+        check("config", lambda: _check_config(cfg, env))
         resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
         for note in startup_notes(resolved):
             print(f"[preflight] note {note}", file=out, flush=True)
@@ -415,6 +450,8 @@ def run_preflight(cfg: DictConfig, cluster: Any, env: dict[str, str] | None = No
         check("run length", lambda: _check_run_length(resolved, train_rows))
         check("model", lambda: _check_model(resolved))
         check("trackers", lambda: _check_trackers(resolved, env))
+        for warning in _log_dir_warnings(resolved, env):
+            line("warn", "trackers", warning)
 
         def cadence() -> str:
             freq = int(resolved.trainer.save_freq)

@@ -11,10 +11,19 @@
 Each class reports its base class's mode (``trainer_mode``), so verl's mode-dependent branches (replay buffer
 class, dataloader refill, checkpointing of in-flight prompts, the ``trainer.v1.<mode>`` block) behave exactly as for
 the unmodified trainer. ``configs/trainer/{sync,colocate_async,separate_async}.yaml`` select them (``trainer=...``).
+
+One verl 0.9.1 defect is worked around here: ``PPOTrainerSeparateAsync._setup`` logs the ``hybrid_engine=false`` case
+(the recipe's separate_async preset: no colocated replicas) with ``logger.info(..., flush=True)``
+(``verl/trainer/ppo/v1/trainer_separate_async.py:181-185``), which the standard library's ``Logger`` refuses with a
+``TypeError``: without the workaround that mode cannot start, on GPUs as on the CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
+from verl.trainer.ppo.v1 import trainer_separate_async
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
@@ -51,12 +60,32 @@ class GTPOTrainerColocateAsync(GTPOTrainerMixin, PPOTrainerColocateAsync):
     VERL_MODE = "colocate_async"
 
 
+@contextlib.contextmanager
+def logger_ignoring_flush(logger: logging.Logger):
+    """``logger`` accepting (and dropping) a ``flush=`` keyword, as ``print`` takes one, for the ``with`` block."""
+    log = logger._log
+
+    def _log(level, msg, args, flush=None, **kwargs):
+        return log(level, msg, args, **kwargs)
+
+    logger._log = _log
+    try:
+        yield logger
+    finally:
+        del logger._log  # the class's method again
+
+
 @register_trainer("gtpo_separate_async")
 class GTPOTrainerSeparateAsync(GTPOTrainerMixin, PPOTrainerSeparateAsync):
     """verl's separate asynchronous trainer (standalone rollout pool) with the recipe's behaviour."""
 
     REGISTERED_MODE = "gtpo_separate_async"
     VERL_MODE = "separate_async"
+
+    def _setup(self):
+        # verl's _setup passes flush=True to logger.info when hybrid_engine=false (see the module docstring)
+        with logger_ignoring_flush(trainer_separate_async.logger):
+            super()._setup()
 
 
 # Registered name -> the verl mode its base class expects.

@@ -14,7 +14,9 @@ recipe's estimators (``gtpo``, ``grpo_s``, ``gtpo_traj``) it:
 4. writes advantages and returns back, as the base method does.
 
 Each call also logs how much of the batch it saw, ``<estimator>/estimator_rows`` (responses) and
-``<estimator>/estimator_groups`` (prompts), and ``<estimator>/estimator_calls_total`` (calls per step): under
+``<estimator>/estimator_groups`` (prompts), ``<estimator>/estimator_calls_total`` (calls per step), and the groups
+that failed rollout sessions left short of ``rollout.n`` (``<estimator>/min_group_size``, ``<estimator>/short_groups``;
+``algorithm.groups.refuse_short`` fails the step instead: :mod:`gtpo.verl_plugin.group_sizes`): under
 ``separate_async`` verl's step calls the advantage computation once per ``parameter_sync_step`` slice, so the
 batch-scope statistics cover a slice, not the step (verl's metrics aggregator averages the first two over the calls
 and sums the third). The forking loss's ``scope=batch`` threshold logs ``forking/batch_scope_rows`` likewise.
@@ -59,6 +61,7 @@ from verl.workers.utils.padding import response_to_nested
 
 from gtpo.verl_plugin import checkpoint_state, checkpoints, forking, metric_history, startup_checks, watchdog
 from gtpo.verl_plugin.dynamic_sampling import bound_generation_rounds
+from gtpo.verl_plugin.group_sizes import GroupParams, group_size_metrics
 
 # Estimators registered by this recipe that take the extra keyword arguments.
 RECIPE_ESTIMATORS = frozenset({"gtpo", "grpo_s", "gtpo_traj"})
@@ -139,14 +142,22 @@ class GTPOTrainerMixin:
         self.__dict__["_tracking"] = tracking
 
     def _save_checkpoint(self):
-        # A state file left in this folder by an abandoned attempt at this step would mark a half-written save
-        # complete; the callback writes the new one once verl is done.
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+        # A state file left in this folder by an abandoned attempt at this step would mark a half-written save
+        # complete (the callback writes the new one once verl is done); that attempt's shards of another world size
+        # would make the folder mix two sizes.
         checkpoint_state.discard_state(folder)
+        checkpoints.discard_other_world_sizes(folder, self._world_size())
         super()._save_checkpoint()
+        self._prune_checkpoints()
 
     def _checkpoint_layout(self) -> checkpoints.CheckpointLayout:
-        return checkpoints.CheckpointLayout(use_critic=bool(self.use_critic), async_mode=self.trainer_mode != "sync")
+        return checkpoints.CheckpointLayout(
+            use_critic=bool(self.use_critic),
+            async_mode=self.trainer_mode != "sync",
+            actor_shards=checkpoints.loaded_shards(self.config.actor_rollout_ref.actor),
+            critic_shards=checkpoints.loaded_shards(self.config.critic) if self.use_critic else (),
+        )
 
     def _load_checkpoint(self):
         trainer_cfg = self.config.trainer
@@ -154,6 +165,11 @@ class GTPOTrainerMixin:
         if trainer_cfg.resume_mode == "auto":
             # Before verl's own lookup, which fails on an empty tracker and trusts a half-written folder.
             resolved = checkpoints.resolve_auto_resume(trainer_cfg.default_local_dir, self._checkpoint_layout())
+        elif trainer_cfg.resume_mode == "resume_path" and isinstance(trainer_cfg.resume_from_path, str):
+            resolved = os.path.abspath(trainer_cfg.resume_from_path)  # as verl resolves it
+        if resolved is not None:
+            # Before any worker loads: at another world size each one fails on a shard file that does not exist.
+            checkpoints.check_resume_world_size(resolved, trainer_cfg.nnodes, trainer_cfg.n_gpus_per_node)
         super()._load_checkpoint()
         if self.global_steps > 0:
             folder = self._resumed_checkpoint_folder(resolved)
@@ -161,19 +177,37 @@ class GTPOTrainerMixin:
             print(f"gtpo: resumed from {folder} at step {self.global_steps}; recipe state restored: {restored}")
 
     def _resumed_checkpoint_folder(self, resolved: str | None) -> str:
-        """The ``global_step_<N>`` folder verl's ``_load_checkpoint`` resumed from."""
-        trainer_cfg = self.config.trainer
-        if trainer_cfg.resume_mode == "resume_path":
-            folder = os.path.abspath(trainer_cfg.resume_from_path)
+        """The ``global_step_<N>`` folder verl's ``_load_checkpoint`` resumed from (``resolved`` by ours)."""
+        folder = resolved
+        if self.config.trainer.resume_mode == "resume_path" and folder is not None:
             reasons = checkpoints.incomplete_reasons(folder, self.global_steps, self._checkpoint_layout())
             if reasons:
                 # the user named this folder: loaded as asked, but said
                 print(f"gtpo: warning: trainer.resume_from_path={folder} is incomplete: {', '.join(reasons)}")
-        else:
-            folder = resolved
         if folder is None or os.path.basename(os.path.normpath(folder)) != f"global_step_{self.global_steps}":
             raise RuntimeError(f"resumed at step {self.global_steps} but the checkpoint folder resolves to {folder}")
         return folder
+
+    def _world_size(self) -> int:
+        """The actor's world size: in every trainer mode verl's actor (and critic) workers fill the global resource
+        pool, ``trainer.nnodes x trainer.n_gpus_per_node`` GPUs."""
+        return int(self.config.trainer.nnodes) * int(self.config.trainer.n_gpus_per_node)
+
+    def _prune_checkpoints(self) -> None:
+        """After a save: keep ``trainer.max_actor_ckpt_to_keep`` (``max_critic_ckpt_to_keep``) checkpoints on disk,
+        counting those of earlier attempts too, which verl's in-process count forgets at each resume."""
+        trainer_cfg = self.config.trainer
+        keep_one = trainer_cfg.get("remove_previous_ckpt_in_save", False)  # deprecated in verl; it then keeps 1
+        keep_actor = 1 if keep_one else trainer_cfg.get("max_actor_ckpt_to_keep", None)
+        keep_critic = 1 if keep_one else trainer_cfg.get("max_critic_ckpt_to_keep", None)
+        removed = checkpoints.prune_checkpoints(
+            trainer_cfg.default_local_dir, self.global_steps, self._checkpoint_layout(), keep_actor, keep_critic
+        )
+        if removed:
+            print(
+                f"gtpo: removed {len(removed)} older checkpoint folder(s) beyond trainer.max_actor_ckpt_to_keep="
+                f"{keep_actor} (max_critic_ckpt_to_keep={keep_critic}): {', '.join(removed)}"
+            )
 
     def _compute_metrics(self, batch: KVBatchMeta, metrics, timing_raw, global_steps, epoch):
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
@@ -297,6 +331,11 @@ class GTPOTrainerMixin:
             keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(output, batch_size=len(batch))
         )
 
+    def _group_params(self) -> GroupParams:
+        from gtpo.verl_plugin.config import load_knobs
+
+        return load_knobs(GroupParams, self.config.algorithm.get("groups", None), "algorithm.groups")
+
     def _recipe_advantages(
         self, data: DataProto, batch: KVBatchMeta, metrics: dict
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,6 +355,12 @@ class GTPOTrainerMixin:
         metrics[f"{name}/estimator_rows"] = float(len(index))
         metrics[f"{name}/estimator_groups"] = float(len(set(index.tolist())))
         metrics[f"{name}/estimator_calls_total"] = 1.0
+        # Groups that failed rollout sessions left short of rollout.n responses: logged, or refused.
+        metrics.update(
+            group_size_metrics(
+                index, int(self.config.actor_rollout_ref.rollout.n), name, self._group_params().refuse_short
+            )
+        )
         adv_real, ret_real = estimator(
             token_level_rewards=token_level_rewards[rows],
             response_mask=data.batch["response_mask"][rows],

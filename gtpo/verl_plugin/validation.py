@@ -18,6 +18,7 @@ KNOB_BLOCKS: dict[str, tuple[str, str]] = {
     "gtpo_traj": ("gtpo.algorithms.trajectory", "GTPOTrajParams"),
     "forking": ("gtpo.verl_plugin.forking", "ForkingParams"),
     "watchdog": ("gtpo.verl_plugin.watchdog", "WatchdogParams"),
+    "groups": ("gtpo.verl_plugin.group_sizes", "GroupParams"),
 }
 
 # GROP (paper A, App. D) is applied inside these estimators, to the sequence reward before shaping.
@@ -100,6 +101,7 @@ def validate_recipe_config(config: DictConfig) -> None:
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
 
     from gtpo.verl_plugin.async_checks import check_trainer_mode
+    from gtpo.verl_plugin.batch_checks import check_micro_batches
 
     algorithm = config.algorithm
     estimator = str(algorithm.adv_estimator)
@@ -116,6 +118,7 @@ def validate_recipe_config(config: DictConfig) -> None:
     knobs = load_all_knobs(algorithm)
     check_overlong_shaping(config)
     check_checkpoint_saves(config)
+    check_micro_batches(config)
     grop_on = bool(knobs["grop"].enable)
     if not config.trainer.get("use_v1", True):
         raise ValueError("trainer.use_v1=False: the gtpo recipe runs on verl's v1 trainer only")

@@ -10,14 +10,17 @@ forever. On a cluster either is hours of idle GPUs with nothing in the log.
 Knobs (``algorithm.watchdog``, 0 turns a limit off):
 
 * ``weight_sync_s``: wall-clock limit of one weight-sync call of verl's checkpoint manager (``update_weights``, and
-  the pause / resume / sleep calls around it in the asynchronous trainers);
+  the pause / resume / sleep calls around it in the asynchronous trainers), and of each whole ``update_weights`` of
+  separate_async's standalone manager (abort the standalone replicas, NCCL broadcast, resume);
 * ``generation_s``: limit on time *without progress* while a batch is generated: progress is any change of the
-  replay buffer's counts of pending, running, finished and failed responses, so a long but moving generation
-  (4,096-token responses at 32B) never trips it;
+  replay buffer's counts of pending, running, finished and failed prompts or of its stored responses (each
+  response is stored when it finishes, long before its group of ``rollout.n`` settles), so a long but moving
+  generation (20,480-token responses at scale=dapo) never trips it;
 * ``grace_s``: after a limit passes, how long the trainer may take to fail on its own before its process exits.
 
 When a limit passes, a background thread logs the stage, its limit and its knob with the stacks of every thread of
-the trainer process, then stops the trainer's worker actors (the actor/rollout workers and the rollout servers), so
+the trainer process, then stops the trainer's worker actors (the actor/rollout workers, the rollout servers and,
+under separate_async, the standalone pool's servers and workers), so
 that the blocked ``ray.get`` returns; the trainer then raises :class:`StageTimeoutError` with that message (in the
 generation stage it raises from the polling loop itself). If the process is still there ``grace_s`` later, it
 exits with :data:`EXIT_CODE`, so no stall outlives its limit by more than ``grace_s``.
@@ -26,6 +29,7 @@ exits with :data:`EXIT_CODE`, so no stall outlives its limit by more than ``grac
 from __future__ import annotations
 
 import faulthandler
+import inspect
 import os
 import sys
 import threading
@@ -226,8 +230,12 @@ def _safe(fn: Callable[[], str]) -> str:
 KNOB = "algorithm.watchdog"
 # verl's CheckpointEngineManager calls the trainers make around a weight sync (v1 sync and async trainers).
 WEIGHT_SYNC_CALLS = ("update_weights", "abort_replicas", "resume_generation_replicas", "sleep_replicas")
-# The replay buffer's per-partition key sets whose sizes measure generation progress.
-GENERATION_COUNTS = ("pending_keys", "running_keys", "finished_keys", "failure_keys")
+# separate_async's standalone manager (nccl backend): the outer call only; its abort / release / resume coroutines
+# are awaited inside it, so they fall under this one stage.
+STANDALONE_WEIGHT_SYNC_CALLS = ("update_weights",)
+# The replay buffer's per-partition collections whose sizes measure generation progress: the prompts' four status
+# sets, and the stored trajectories (one key per finished response, written before its group of rollout.n settles).
+GENERATION_COUNTS = ("pending_keys", "running_keys", "finished_keys", "failure_keys", "partitions")
 
 
 def params_of(trainer) -> WatchdogParams:
@@ -250,41 +258,82 @@ def watchdog_of(trainer) -> StageWatchdog:
     return watchdog
 
 
+def worker_handles(trainer) -> list:
+    """The actor/rollout workers, and the servers and workers of every rollout replica of the trainer's checkpoint
+    managers (separate_async: also the standalone pool's), each once."""
+    handles = list(getattr(getattr(trainer, "actor_rollout_wg", None), "workers", None) or [])
+    for manager in ("checkpoint_manager", "standalone_checkpoint_manager"):
+        for replica in getattr(getattr(trainer, manager, None), "replicas", None) or []:
+            handles.extend(getattr(replica, "servers", None) or [])
+            handles.extend(getattr(replica, "workers", None) or [])  # hybrid replicas: the actor workers again
+    return list(dict.fromkeys(handles))
+
+
 def stop_workers(trainer) -> int:
-    """Kill the actor/rollout workers and the rollout servers, so that a ``ray.get`` waiting on them returns."""
+    """Kill every handle of :func:`worker_handles`, so that a ``ray.get`` waiting on any of them returns."""
     import ray
 
-    handles = list(getattr(getattr(trainer, "actor_rollout_wg", None), "workers", None) or [])
-    for replica in getattr(getattr(trainer, "checkpoint_manager", None), "replicas", None) or []:
-        handles.extend(getattr(replica, "servers", None) or [])
+    handles = worker_handles(trainer)
+    failed = []
     for handle in handles:
-        ray.kill(handle, no_restart=True)
-    print(f"gtpo watchdog: stopped {len(handles)} worker actors", file=sys.stderr, flush=True)
-    return len(handles)
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception as err:  # noqa: BLE001 - one dead handle must not spare the others
+            failed.append(repr(err))
+    print(
+        f"gtpo watchdog: stopped {len(handles) - len(failed)} worker actors"
+        + (f"; {len(failed)} could not be stopped: {'; '.join(failed)}" if failed else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    return len(handles) - len(failed)
+
+
+def _in_stage(call: Callable, watchdog: StageWatchdog, name: str, limit: float, detail: str) -> Callable:
+    """``call`` run as stage ``name``. Called from a coroutine (as verl's ``auto_await`` tells them apart), it returns
+    a coroutine that awaits ``call`` inside the stage; called from plain code it runs ``call`` there."""
+    knob = f"{KNOB}.weight_sync_s"
+
+    def watched(*args, **kwargs):
+        if sys._getframe(1).f_code.co_flags & inspect.CO_COROUTINE:
+
+            async def awaited():
+                with watchdog.stage(name, limit, knob, lambda: detail):
+                    result = call(*args, **kwargs)
+                    return await result if inspect.isawaitable(result) else result
+
+            return awaited()
+        with watchdog.stage(name, limit, knob, lambda: detail):
+            return call(*args, **kwargs)
+
+    return watched
 
 
 def watch_weight_sync(trainer) -> None:
-    """Give each weight-sync call of ``trainer.checkpoint_manager`` the ``weight_sync_s`` deadline (idempotent)."""
+    """Give each weight-sync call of ``trainer.checkpoint_manager``, and ``update_weights`` of separate_async's
+    ``trainer.standalone_checkpoint_manager``, the ``weight_sync_s`` deadline (idempotent)."""
     limit = params_of(trainer).weight_sync_s
-    manager = getattr(trainer, "checkpoint_manager", None)
-    if limit <= 0 or manager is None or getattr(manager, "_gtpo_watched", False):
+    if limit <= 0:
         return
     watchdog = watchdog_of(trainer)
-    for name in WEIGHT_SYNC_CALLS:
-        call = getattr(manager, name, None)
-        if call is None:
+    managers = (
+        ("checkpoint_manager", WEIGHT_SYNC_CALLS, ""),
+        ("standalone_checkpoint_manager", STANDALONE_WEIGHT_SYNC_CALLS, "standalone "),
+    )
+    for attr, calls, which in managers:
+        manager = getattr(trainer, attr, None)
+        if manager is None or getattr(manager, "_gtpo_watched", False):
             continue
-
-        def watched(*args, _call=call, _name=name, **kwargs):
+        for name in calls:
+            call = getattr(manager, name, None)
+            if call is None:
+                continue
             detail = (
-                f"verl's checkpoint manager {_name}() did not return; the rollout engine's log (vLLM worker) shows "
-                "why it stopped taking the weights"
+                f"verl's {which}checkpoint manager {name}() did not return; the rollout engine's log (vLLM worker) "
+                "shows why it stopped taking the weights"
             )
-            with watchdog.stage(f"weight sync ({_name})", limit, f"{KNOB}.weight_sync_s", lambda: detail):
-                return _call(*args, **kwargs)
-
-        setattr(manager, name, watched)
-    manager._gtpo_watched = True
+            setattr(manager, name, _in_stage(call, watchdog, f"weight sync ({which}{name})", limit, detail))
+        manager._gtpo_watched = True
 
 
 def watch_generation(buffer, trainer):
@@ -317,10 +366,10 @@ def watch_generation(buffer, trainer):
 
         def watched(global_steps, partition_id, *args, _call=call, **kwargs):
             def detail() -> str:
-                pending, running, finished, failed = counts(partition_id)
+                pending, running, finished, failed, stored = counts(partition_id)
                 return (
-                    f"the rollout finished no response (partition {partition_id!r}: {pending} pending, {running} "
-                    f"running, {finished} finished, {failed} failed)"
+                    f"the rollout finished no response (partition {partition_id!r}: prompts {pending} pending, "
+                    f"{running} running, {finished} finished, {failed} failed; {stored} responses stored)"
                 )
 
             with watchdog.stage("generation", limit, f"{KNOB}.generation_s", detail):

@@ -6,7 +6,8 @@
 Compared with ``verl.trainer.main_ppo`` this entry point (1) validates the recipe's knob blocks before anything
 is allocated, (2) puts ``gtpo.verl_plugin.register`` into ``VERL_USE_EXTERNAL_MODULES`` of the Ray runtime env, so
 multi-node workers that do not inherit the driver's shell still register the estimators, losses and trainer
-mode, and (3) runs a TaskRunner that imports the plugin itself before building the trainer.
+mode, and copies the driver's log folders (:data:`LOG_DIR_VARS`) there too, so the TaskRunner writes its logs where
+the launcher put them, and (3) runs a TaskRunner that imports the plugin itself before building the trainer.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from verl.utils.device import auto_set_device
 from gtpo.verl_plugin.config import merge_module_list
 
 PLUGIN_MODULE = "gtpo.verl_plugin.register"
+# Where verl's file logger, TensorBoard and W&B write (scripts/common.sh sets them under CKPTS_DIR). The TaskRunner
+# writes the logs; on a running cluster it sees the runtime env, not the driver's shell, and verl's relative
+# defaults would put the logs in its node's scratch copy of the working directory.
+LOG_DIR_VARS = ("VERL_FILE_LOGGER_ROOT", "VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_DIR")
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,16 @@ def add_plugin_to_runtime_env(config: DictConfig) -> None:
     os.environ["VERL_USE_EXTERNAL_MODULES"] = modules
 
 
+def forward_log_dirs(config: DictConfig) -> None:
+    """Copy the :data:`LOG_DIR_VARS` set in this process into the Ray runtime env, unless the runtime env sets them."""
+    with open_dict(config):
+        ray_init = config.ray_kwargs.setdefault("ray_init", {})
+        env_vars = ray_init.setdefault("runtime_env", {}).setdefault("env_vars", {})
+        for name in LOG_DIR_VARS:
+            if os.environ.get(name) and not env_vars.get(name):
+                env_vars[name] = os.environ[name]
+
+
 class GTPOTaskRunner(TaskRunnerV1.__ray_actor_class__):
     """verl's v1 TaskRunner, importing the plugin first so ``gtpo_sync`` and the estimators exist in this actor."""
 
@@ -55,16 +70,19 @@ class GTPOTaskRunner(TaskRunnerV1.__ray_actor_class__):
 
 
 def prepare_config(config: DictConfig, dry_run: bool = False) -> None:
-    """Everything that must pass before Ray starts: recipe knobs, verl's own validation, the plugin env.
+    """Everything that must pass before Ray starts: recipe knobs, verl's own validation, no CPU test backend on a
+    GPU run, the plugin env and the log folders.
 
     A real run (``dry_run=False``) also checks that this environment imports the checkpoint engine's transport
     (cupy for ``nccl``), and logs the startup notes; the dry run prints those itself, on a machine that is usually
     not the cluster's image.
     """
     from gtpo.verl_plugin.async_checks import check_checkpoint_engine, startup_notes
+    from gtpo.verl_plugin.startup_checks import check_cpu_backend
     from gtpo.verl_plugin.validation import validate_recipe_config
 
     auto_set_device(config)
+    check_cpu_backend(config)
     validate_recipe_config(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     if not dry_run:
@@ -72,6 +90,7 @@ def prepare_config(config: DictConfig, dry_run: bool = False) -> None:
         for note in startup_notes(config):
             logger.warning("gtpo: %s", note)
     add_plugin_to_runtime_env(config)
+    forward_log_dirs(config)
 
 
 @hydra.main(config_path="config", config_name="gtpo_trainer", version_base=None)

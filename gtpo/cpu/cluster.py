@@ -1,0 +1,172 @@
+"""A Ray cluster of several simulated nodes on one CPU host, with the CPU backend's environment in every raylet.
+
+    python -m gtpo.cpu.cluster start --nodes 2          # prints the address; export RAY_ADDRESS=<it>
+    RAY_ADDRESS=127.0.0.1:6390 python -m gtpo.cpu.demo --nnodes 2 --steps 20
+    python -m gtpo.cpu.cluster stop
+
+Each node is its own raylet (``ray start``: a head, then ``ray start --address`` for every further node), with
+``gpus_per_node`` logical GPUs that the CPU platform (:mod:`gtpo.cpu.platform`) turns into CPU workers. verl then
+places its resource pool as on a real cluster: one placement group per node, ``trainer.nnodes`` ×
+``trainer.n_gpus_per_node`` FSDP ranks, one vLLM replica per ``tensor_model_parallel_size`` GPUs, ``LOCAL_RANK`` 0
+on every node.
+
+Workers of a running cluster do not inherit a driver's shell, so each raylet starts with :func:`gtpo.cpu.env`'s
+variables (``VERL_PLATFORM=cpu`` and the platform module; without them a worker would pick verl's CUDA platform),
+but *without* the recipe's plugin list: the entry point puts ``gtpo.verl_plugin.register`` into the job's runtime
+env, as on a multi-node cluster whose nodes were started before the job. Join such a cluster with
+``ray_kwargs.ray_init.num_cpus=null ray_kwargs.ray_init.num_gpus=null`` (``ray.init`` refuses resources when it
+connects to an existing cluster); the demo does that itself when ``RAY_ADDRESS`` is set.
+
+The tests own their cluster's processes (:func:`node_command` with ``block=True``); ``start`` / ``stop`` here are
+for a person trying the CPU backend on several nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["cluster_env", "free_port", "node_command", "ray_executable", "start", "stop", "wait_for_nodes"]
+
+# Logical CPUs per node: verl's placement bundles ask for several CPUs per worker, more than a 2-core host has.
+CPUS_PER_NODE = 8
+# Plasma store per node (Ray's default is 30 % of the memory, per raylet): the tiny runs move kilobytes.
+OBJECT_STORE_BYTES = 512 * 1024**2
+
+
+def ray_executable() -> str:
+    """The ``ray`` command of this Python environment."""
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cluster_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of every raylet: the CPU backend's variables, no plugin list, no ``RAY_ADDRESS``."""
+    from gtpo.cpu import env as cpu_env
+
+    out = cpu_env(base=dict(os.environ) if base is None else base)
+    out.pop("VERL_USE_EXTERNAL_MODULES", None)
+    out.pop("RAY_ADDRESS", None)
+    # A loopback-only cluster: no token authentication (Ray 2.60's `ray start` may require one otherwise).
+    out["RAY_AUTH_MODE"] = "disabled"
+    return out
+
+
+def node_command(
+    *,
+    head_port: int,
+    head: bool,
+    gpus: int,
+    cpus: int = CPUS_PER_NODE,
+    temp_dir: str | os.PathLike | None = None,
+    block: bool = False,
+) -> list[str]:
+    """``ray start`` of the head (``head=True``) or of a further node joining ``127.0.0.1:<head_port>``."""
+    if gpus < 0 or cpus < 1:
+        raise ValueError(f"gpus={gpus}, cpus={cpus}: a node needs gpus >= 0 and cpus >= 1")
+    common = [
+        "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", f"--num-gpus={gpus}",
+        f"--object-store-memory={OBJECT_STORE_BYTES}", "--disable-usage-stats",
+    ]  # fmt: skip
+    if head:
+        cmd = [ray_executable(), "start", "--head", f"--port={head_port}", "--include-dashboard=false", *common]
+    else:
+        cmd = [ray_executable(), "start", f"--address=127.0.0.1:{head_port}", *common]
+    if temp_dir is not None:
+        # A folder of each node's own: two raylets sharing one session folder would each forward every worker's
+        # output to the driver (every log line twice).
+        cmd.append(f"--temp-dir={temp_dir}")
+    if block:
+        cmd.append("--block")
+    return cmd
+
+
+def alive_nodes(address: str) -> int:
+    """Number of alive nodes of the cluster at ``address`` (0 when it does not answer)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", _COUNT_NODES, address], capture_output=True, text=True, env=cluster_env(), timeout=120
+    )
+    try:
+        return int(probe.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return 0
+
+
+_COUNT_NODES = """
+import sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+print(sum(1 for n in ray.nodes() if n["Alive"]))
+"""
+
+
+def wait_for_nodes(address: str, nodes: int, timeout: float = 180.0, procs: list | None = None) -> None:
+    """Wait until ``nodes`` nodes of the cluster at ``address`` are alive; raises naming what is missing."""
+    deadline = time.monotonic() + timeout
+    seen = 0
+    while time.monotonic() < deadline:
+        for proc in procs or ():
+            if proc.poll() is not None:
+                raise RuntimeError(f"a ray node process exited with {proc.returncode}: {proc.args}")
+        seen = alive_nodes(address)
+        if seen >= nodes:
+            return
+        time.sleep(2)
+    raise TimeoutError(f"the Ray cluster at {address} has {seen} of {nodes} nodes alive after {timeout:.0f} s")
+
+
+def start(nodes: int = 2, gpus_per_node: int = 1, port: int | None = None) -> str:
+    """Start a head and ``nodes - 1`` further nodes in the background; returns the cluster's address."""
+    if nodes < 1 or gpus_per_node < 1:
+        raise ValueError(f"nodes={nodes}, gpus_per_node={gpus_per_node}: both must be >= 1")
+    port = port or free_port()
+    env = cluster_env()
+    root = Path(tempfile.gettempdir()) / f"gtpo-ray-{port}"  # short: Ray's socket paths must fit in 107 bytes
+    for i in range(nodes):
+        cmd = node_command(head_port=port, head=i == 0, gpus=gpus_per_node, temp_dir=root / f"n{i}")
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr}")
+    address = f"127.0.0.1:{port}"
+    wait_for_nodes(address, nodes)
+    return address
+
+
+def stop() -> int:
+    """``ray stop``: every Ray process of this host (the simulated cluster's nodes)."""
+    return subprocess.run([ray_executable(), "stop"], env=cluster_env()).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gtpo.cpu.cluster", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    start_p = sub.add_parser("start", help="start a head and further simulated nodes on this host")
+    start_p.add_argument("--nodes", type=int, default=2, help="number of nodes, the head included (default 2)")
+    start_p.add_argument("--gpus-per-node", type=int, default=1, help="logical GPUs per node (default 1)")
+    start_p.add_argument("--port", type=int, default=None, help="the head's port (default: a free one)")
+    sub.add_parser("stop", help="stop every Ray process of this host")
+    args = parser.parse_args(argv)
+    if args.command == "stop":
+        return stop()
+    try:
+        address = start(args.nodes, args.gpus_per_node, args.port)
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        print(f"gtpo.cpu.cluster: {e}", file=sys.stderr)
+        return 1
+    print(f"Ray cluster of {args.nodes} nodes x {args.gpus_per_node} GPU at {address}")
+    print(f"export RAY_ADDRESS={address} RAY_AUTH_MODE=disabled")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""verl 0.9.1's separate asynchronous trainer on CPU: the trainer pool on one simulated node, the standalone rollout
+pool on the other, the weights crossing between them over the CPU checkpoint engine (``gtpo.cpu.checkpoint_engine``,
+picked by ``configs/backend/trainer/cpu_tiny_separate_async.yaml``).
+
+    .venv/bin/python -m pytest -q -m e2e tests/test_e2e_separate_async.py
+
+1. GTPO, 4 steps in two ``parameter_sync_step`` slices each, a checkpoint every 2 steps keeping one, then a resume
+   to step 6: where Ray placed the two pools, staleness (the standalone pool generates ahead with the weights of the
+   last sync), the estimator's slice (rows and groups per call, two calls per step), the weights reaching the
+   standalone replica at every sync (the bytes each side of the CPU engine counted), ``transfer_queue/`` saved with
+   each checkpoint and gone with its actor, the resumed run's steps once each.
+2. The same trainer with the standalone pool's weight receiver stopped after step 1 (a wedged replica): the next
+   sync waits on it, and the watchdog ends the run within ``algorithm.watchdog.weight_sync_s``, naming the
+   standalone stage and stopping the standalone pool too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from gtpo.verl_plugin.checkpoints import TRACKER_FILE
+from tests.e2e_support import RunningRecipe, actor_table, placement, process_ids, read_metrics, run_recipe, tail
+from tests.test_e2e_trainer import base_overrides
+
+pytestmark = pytest.mark.e2e
+
+SEPARATE = [
+    "trainer=separate_async",
+    "method=gtpo",
+    "algorithm.filter_groups.enable=false",
+    # two slices of one prompt group per step: the estimator sees a slice, the weights sync after each step
+    "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+    "trainer.v1.separate_async.parameter_sync_step=2",
+    # the CPU engine logs each sync's bytes at INFO
+    "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_LOGGING_LEVEL=INFO",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_assets():
+    from gtpo.cpu.tiny_assets import build_tiny_assets
+
+    return build_tiny_assets()
+
+
+def test_separate_async_on_two_nodes_checkpoints_and_resumes(ray_cluster, ray_session, tiny_assets, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    metrics_path = tmp_path / "run.metrics.jsonl"
+    common = base_overrides(tiny_assets) + [
+        *SEPARATE,
+        f"trainer.default_local_dir={ckpt}",
+        "trainer.save_freq=2",
+        "trainer.max_actor_ckpt_to_keep=1",
+    ]
+    before = actor_table()
+    first = run_recipe(ray_cluster, tmp_path, common + ["trainer.total_training_steps=4"], name="run")
+    assert first.returncode == 0, tail(first.log)
+    assert first.steps() == [1, 2, 3, 4]
+
+    # the trainer pool (the FSDP rank) on one node, the standalone pool (its vLLM server) on the other
+    placed = placement(before)
+    assert len(placed["WorkerDict"]) == 1 and len(placed["vLLMHttpServer"]) == 1, placed
+    assert placed["WorkerDict"] != placed["vLLMHttpServer"], placed
+    assert "cpu_gloo" in first.log
+
+    for m in first.metrics:
+        data = m["data"]
+        # the estimator saw one slice per call (one group of 4), two calls per step
+        assert (data["gtpo/estimator_rows"], data["gtpo/estimator_groups"]) == (4.0, 1.0), data
+        assert data["gtpo/estimator_calls_total"] == 2.0
+    # the weights reached the standalone replica at every sync (the first before step 1, then one per step): the
+    # rollout worker received every byte the trainer's rank 0 sent
+    sent = [int(n) for n in re.findall(r"cpu_gloo: sent (\d+) bytes", first.log)]
+    received = [int(n) for n in re.findall(r"cpu_gloo: received (\d+) bytes", first.log)]
+    assert len(sent) == len(received) >= 5 and set(sent) == set(received) and len(set(sent)) == 1, (sent, received)
+    # the standalone pool generated ahead with the weights of an earlier sync
+    assert max(m["data"]["gtpo/trajectory_staleness_max"] for m in first.metrics) >= 1
+
+    # checkpoints of steps 2 and 4 with the stored trajectories; max_actor_ckpt_to_keep=1 kept step 4 only
+    assert (ckpt / TRACKER_FILE).read_text().strip() == "4"
+    assert (ckpt / "global_step_4" / "transfer_queue").is_dir()
+    assert not (ckpt / "global_step_2").exists(), sorted(p.name for p in ckpt.iterdir())
+
+    resumed = run_recipe(
+        ray_cluster, tmp_path, common + ["trainer.total_training_steps=6", "trainer.resume_mode=auto"],
+        name="resumed", metrics_name="run",
+    )  # fmt: skip
+    assert resumed.returncode == 0, tail(resumed.log)
+    assert f"resumed from {ckpt / 'global_step_4'} at step 4" in resumed.log, tail(resumed.log)
+    assert [r["step"] for r in read_metrics(metrics_path)] == [1, 2, 3, 4, 5, 6]
+    # retention held across the resume: the step-6 save removed step 4, trajectories included
+    assert (ckpt / TRACKER_FILE).read_text().strip() == "6"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("global_step_")) == ["global_step_6"]
+    assert (ckpt / "global_step_6" / "transfer_queue").is_dir()
+
+
+def test_a_wedged_standalone_replica_fails_the_sync_within_its_limit_naming_the_stage(
+    ray_cluster, tiny_assets, tmp_path
+):
+    """After step 1 the standalone pool's weight receiver is stopped (SIGSTOP: a wedged replica, as a GPU fault or
+    a hung NCCL call leaves it): the next sync waits on it, and the watchdog ends the run within its limit."""
+    limit = 30
+    overrides = base_overrides(tiny_assets) + [
+        *SEPARATE,
+        "trainer.total_training_steps=20",
+        f"algorithm.watchdog.weight_sync_s={limit}",
+        "algorithm.watchdog.grace_s=30",
+    ]
+    run = RunningRecipe(ray_cluster, tmp_path, overrides, name="wedged", log_env=None)
+    run.wait_until(lambda: len(read_metrics(run.metrics_path)) >= 1, timeout=600)
+    receivers = process_ids("ray::CheckpointEngineWorker")
+    assert len(receivers) == 1, receivers
+    (receiver,) = receivers
+    os.kill(receiver, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        run.proc.wait(timeout=limit + 240)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the watchdog's stop usually killed it already
+            os.kill(receiver, signal.SIGKILL)  # a stopped process takes no other signal
+        if run.proc.poll() is None:
+            run.kill_job()
+    elapsed = time.monotonic() - start
+    log = run.log
+    assert run.proc.returncode != 0, tail(log)
+    stage = r"gtpo watchdog: stage 'weight sync \(standalone update_weights\)' made no progress for \d+ s"
+    assert re.search(stage, log), tail(log)
+    assert "StageTimeoutError" in log and f"algorithm.watchdog.weight_sync_s={limit}" in log
+    # the standalone pool was stopped too, not only the trainer's workers
+    # (the FSDP rank, the standalone vLLM server and its weight receiver)
+    assert "gtpo watchdog: stopped 3 worker actors" in log, tail(log)
+    assert elapsed < limit + 120, f"the wedged run took {elapsed:.0f} s to end"
+    # it trained until the replica stopped, then never again
+    assert len(read_metrics(run.metrics_path)) <= 2

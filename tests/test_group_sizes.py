@@ -1,0 +1,62 @@
+"""Groups short of ``rollout.n`` responses (failed rollout sessions): logged by every recipe estimator call, or
+refused with ``algorithm.groups.refuse_short``.
+
+    .venv/bin/python -m pytest -q tests/test_group_sizes.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from gtpo.verl_plugin.group_sizes import GroupParams, ShortGroupError, group_size_metrics
+from tests.test_async_trainers import _advantages, _batch, make_trainer
+
+
+def test_metrics_count_the_groups_short_of_n():
+    index = np.array(["a"] * 4 + ["b"] * 3 + ["c"] * 4 + ["d"] * 1, dtype=object)
+    assert group_size_metrics(index, 4, "gtpo") == {"gtpo/min_group_size": 1.0, "gtpo/short_groups": 2.0}
+    full = np.array(["x", "y", "x", "y"], dtype=object)
+    assert group_size_metrics(full, 2, "grpo_s") == {"grpo_s/min_group_size": 2.0, "grpo_s/short_groups": 0.0}
+
+
+def test_refusal_names_the_short_groups_and_the_way_out():
+    index = np.array(["a"] * 4 + ["b"] * 3, dtype=object)
+    with pytest.raises(ShortGroupError, match=r"1 of 2 groups .* rollout.n=4 .*b \(3\).*refuse_short=false"):
+        group_size_metrics(index, 4, "gtpo", refuse_short=True)
+    # whole groups pass the refusal
+    assert group_size_metrics(index[:4], 4, "gtpo", refuse_short=True)["gtpo/short_groups"] == 0.0
+
+
+def test_bad_knob_values_are_refused_with_the_key():
+    from gtpo.verl_plugin.validation import load_all_knobs
+
+    with pytest.raises(ValueError, match=r"algorithm.groups.refuse_short"):
+        load_all_knobs(OmegaConf.create({"groups": {"refuse_short": "yes"}}))
+    with pytest.raises(ValueError, match=r"algorithm.groups"):
+        load_all_knobs(OmegaConf.create({"groups": {"refuse_shrt": True}}))
+    assert load_all_knobs(OmegaConf.create({}))["groups"] == GroupParams(refuse_short=False)
+
+
+@pytest.mark.parametrize("method", ["gtpo", "grpo_s", "gtpo_traj"])
+def test_the_trainer_logs_a_group_left_with_three_of_four(method, monkeypatch):
+    rows, meta = _batch()  # three groups of four
+    del rows["k5"]  # group b lost one response to a failed session
+    meta.keys.remove("k5")
+    meta.tags.pop()
+    overrides = [f"method={method}", "actor_rollout_ref.rollout.n=4", "algorithm.gtpo_traj.h_ini=1.0"]
+    _, metrics = _advantages(make_trainer("gtpo_sync", overrides), monkeypatch, rows, meta)
+    assert metrics[f"{method}/min_group_size"] == 3.0 and metrics[f"{method}/short_groups"] == 1.0
+    assert metrics[f"{method}/estimator_rows"] == 11.0
+
+    refusing = make_trainer("gtpo_sync", [*overrides, "algorithm.groups.refuse_short=true"])
+    with pytest.raises(ShortGroupError, match=r"1 of 3 groups"):
+        _advantages(refusing, monkeypatch, rows, meta)
+
+
+def test_whole_groups_log_no_short_group(monkeypatch):
+    rows, meta = _batch()
+    trainer = make_trainer("gtpo_sync", ["method=gtpo", "actor_rollout_ref.rollout.n=4"])
+    _, metrics = _advantages(trainer, monkeypatch, rows, meta)
+    assert metrics["gtpo/min_group_size"] == 4.0 and metrics["gtpo/short_groups"] == 0.0

@@ -1,0 +1,124 @@
+"""The CPU backend at any world size the host can hold: the demo's batch arithmetic, the simulated nodes' commands,
+and the config-time check that a world size divides the micro-batches (verl checks it only in the workers).
+
+    .venv/bin/python -m pytest -q tests/test_world_size.py
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gtpo.cpu import cluster
+from gtpo.cpu.demo_trainer import BATCH_ROWS, MINI_BATCH_ROWS, world_overrides
+from gtpo.verl_plugin.batch_checks import check_micro_batches
+from tests.test_configs import compose
+
+
+def _values(overrides: list[str]) -> dict[str, int]:
+    return {k: int(v) for k, v in (o.split("=") for o in overrides)}
+
+
+@pytest.mark.parametrize("nnodes,gpus", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_demo_micro_batches_take_each_rank_share_in_one_pass(nnodes, gpus):
+    values = _values(world_overrides(nnodes, gpus))
+    world = nnodes * gpus
+    assert (values["trainer.nnodes"], values["trainer.n_gpus_per_node"]) == (nnodes, gpus)
+    assert values["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] * world == MINI_BATCH_ROWS == 32
+    assert values["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"] * world == BATCH_ROWS == 128
+    assert values["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] * world == BATCH_ROWS
+
+
+def test_demo_refuses_a_world_size_that_does_not_divide_its_mini_batch():
+    with pytest.raises(ValueError, match=r"3 x 1 = 3: the demo's mini-batch of 32 responses splits evenly only over"):
+        world_overrides(3, 1)
+    with pytest.raises(ValueError, match=r"gpus_per_node=0"):
+        world_overrides(1, 0)
+
+
+def test_a_demo_of_two_nodes_needs_a_cluster_and_says_how_to_start_one(tmp_path):
+    from gtpo.cpu.demo import demo_command
+    from gtpo.cpu.demo_task import build_demo_assets
+
+    assets = build_demo_assets(seed=0)
+    with pytest.raises(ValueError, match=r"python -m gtpo.cpu.cluster start --nodes 2"):
+        demo_command(assets, "gtpo", 3, 0, tmp_path, [], nnodes=2)
+    joined = demo_command(assets, "gtpo", 3, 0, tmp_path, [], "127.0.0.1:1", nnodes=2)
+    assert "ray_kwargs.ray_init.num_gpus=null" in joined and "trainer.nnodes=2" in joined
+    local = demo_command(assets, "gtpo", 3, 0, tmp_path, [], gpus_per_node=2)
+    assert "ray_kwargs.ray_init.num_gpus=2" in local and "trainer.n_gpus_per_node=2" in local
+
+
+@pytest.mark.parametrize("nnodes,gpus", [(1, 1), (2, 1), (1, 2)])
+def test_the_backend_composes_at_each_world_size_and_passes_the_batch_check(nnodes, gpus):
+    from gtpo.verl_plugin.validation import validate_recipe_config
+
+    world = [f"trainer.nnodes={nnodes}", f"trainer.n_gpus_per_node={gpus}"]
+    cfg = compose(["backend=cpu_tiny", "method=gtpo", *world])
+    validate_recipe_config(cfg)
+    # one logical GPU per rank of a local node
+    assert cfg.ray_kwargs.ray_init.num_gpus == gpus
+
+
+def test_the_trial_micro_batches_at_two_ranks_are_refused_before_ray_starts():
+    """The demo's old settings (one micro-batch of 32 per mini-batch, log-prob passes of 128 rows) at two ranks:
+    verl stopped in its workers; the recipe refuses at config time, naming the key and the share."""
+    two = ["trainer.n_gpus_per_node=2", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=16"]
+    mini = ["actor_rollout_ref.actor.ppo_mini_batch_size=2"]
+    cfg = compose(["backend=cpu_tiny", *two, *mini, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32"])
+    with pytest.raises(ValueError, match=r"ppo_micro_batch_size_per_gpu=32 does not divide the 16 responses each rank"):
+        check_micro_batches(cfg)
+    cfg = compose(
+        ["backend=cpu_tiny", *two, *mini, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=128"]
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"log_prob_micro_batch_size_per_gpu=128 does not divide the 64 responses"):
+        check_micro_batches(cfg)
+    # dynamic batch sizes cut by tokens, not rows: nothing to divide
+    cfg = compose(
+        ["backend=cpu_tiny", *two, *mini, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+         "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true"]
+    )  # fmt: skip
+    check_micro_batches(cfg)
+
+
+def test_a_mini_batch_that_does_not_split_over_the_ranks_is_refused():
+    cfg = compose(["backend=cpu_tiny", "trainer.nnodes=3", "actor_rollout_ref.actor.ppo_mini_batch_size=2"])
+    with pytest.raises(ValueError, match=r"= 8 responses per mini-batch do not split evenly over trainer.nnodes=3"):
+        check_micro_batches(cfg)
+
+
+def test_log_prob_share_counts_verl_padding_to_the_batch_multiple():
+    # 3 prompts x 4 = 12 rows, mini-batch 8 rows, 2 ranks: verl pads to lcm(2, 8) = 8 -> 16 rows, 8 per rank
+    cfg = compose(
+        ["backend=cpu_tiny", "trainer.n_gpus_per_node=2", "data.train_batch_size=3",
+         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"]
+    )  # fmt: skip
+    check_micro_batches(cfg)
+    cfg = compose(
+        ["backend=cpu_tiny", "trainer.n_gpus_per_node=2", "data.train_batch_size=3",
+         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=6"]
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"=6 does not divide the 8 responses"):
+        check_micro_batches(cfg)
+
+
+def test_node_commands_start_a_head_and_join_it():
+    head = cluster.node_command(head_port=6391, head=True, gpus=1, temp_dir="/tmp/x", block=True)
+    node = cluster.node_command(head_port=6391, head=False, gpus=2, temp_dir="/tmp/x1")
+    assert head[1:3] == ["start", "--head"] and "--port=6391" in head and "--temp-dir=/tmp/x" in head
+    assert "--block" in head and "--num-gpus=1" in head and "--node-ip-address=127.0.0.1" in head
+    assert "--address=127.0.0.1:6391" in node and "--num-gpus=2" in node and "--head" not in node
+    assert "--temp-dir=/tmp/x1" in node  # each node its own session folder: no log line forwarded twice
+    with pytest.raises(ValueError, match=r"gpus=-1"):
+        cluster.node_command(head_port=1, head=True, gpus=-1)
+
+
+def test_raylets_get_the_cpu_platform_but_not_the_plugin_list():
+    env = cluster.cluster_env({"VERL_USE_EXTERNAL_MODULES": "x.y", "RAY_ADDRESS": "1.2.3.4:5", "PATH": "/bin"})
+    assert env["VERL_PLATFORM"] == "cpu" and env["RAY_AUTH_MODE"] == "disabled" and env["PATH"] == "/bin"
+    assert "VERL_USE_EXTERNAL_MODULES" not in env and "RAY_ADDRESS" not in env
+
+
+def test_cluster_cli_refuses_bad_sizes(capsys):
+    assert cluster.main(["start", "--nodes", "0"]) == 1
+    assert "nodes=0" in capsys.readouterr().err
