@@ -4,11 +4,12 @@
 
 ``gtpo_traj`` (paper variant: the ini gate measures ``<H>_ini`` on the first batch) at world size two on the session
 cluster's two simulated nodes, with a checkpoint every 2 steps (two shards each), the file logger and TensorBoard.
-The whole job (driver and every Ray worker of the job) gets ``kill -9`` while step 6 runs, after the step-4
-checkpoint. Then the state a kill during the step-6 *save* leaves: a ``global_step_6`` whose
-actor shard and ``data.pt`` are cut short, no recipe state file, and the tracker emptied (verl writes it in place, a
-kill between its ``open`` and ``write``). Then ``trainer.resume_mode=auto``: the resumed run starts from step 4, the
-newest complete checkpoint, with nothing of the half-written folder, and every tracker holds each step once.
+One FSDP rank gets ``kill -9`` while step 6 runs, after the step-4 checkpoint: the run ends by itself within
+``RANK_DEATH_BOUND_S``, naming the dead worker. Then the state a kill during the step-6 *save* leaves: a
+``global_step_6`` whose actor shard and ``data.pt`` are cut short, no recipe state file, and the tracker emptied
+(verl writes it in place, a kill between its ``open`` and ``write``). Then ``trainer.resume_mode=auto``: the resumed
+run starts from step 4, the newest complete checkpoint, with nothing of the half-written folder, and every tracker
+holds each step once. The slow tier kills one vLLM engine instead (tests/test_e2e_worker_death.py).
 The metric log is at verl's default path (``VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl``), the other path
 source, ``VERL_FILE_LOGGER_PATH``, is tests/test_e2e_trainer.py's resume test.
 """
@@ -17,19 +18,33 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
+import signal
+import time
 
 import pytest
 import torch
 
 from gtpo.metric_log import read_file_log
 from gtpo.verl_plugin.checkpoints import TRACKER_FILE
-from tests.e2e_support import WORLD_SIZE_2, RunningRecipe, read_metrics, run_recipe, shard_names, tail
+from tests.e2e_support import (
+    WORLD_SIZE_2,
+    RunningRecipe,
+    process_ids,
+    read_metrics,
+    run_recipe,
+    shard_names,
+    tail,
+)
 from tests.test_e2e_trainer import base_overrides
 
 pytestmark = pytest.mark.e2e
 
 H_INI = "gtpo_traj/h_ini"
+# How long the run may take to end after one FSDP rank died (it ends within seconds: verl's next call on the rank
+# raises; the bound leaves room for a loaded 2-core machine).
+RANK_DEATH_BOUND_S = 120
 
 
 @pytest.fixture(scope="session")
@@ -89,8 +104,18 @@ def test_kill_9_during_step_6_then_a_kill_during_its_save_then_resume_keeps_ever
     first = RunningRecipe(ray_cluster, tmp_path, overrides, name="first", log_env=log_env)
     steps_logged = lambda: [r["step"] for r in read_metrics(metrics)]  # noqa: E731
     first.wait_until(lambda: 5 in steps_logged() and _dump_complete(dumps / "5.jsonl", dumps / "1.jsonl"), timeout=900)
-    killed = first.kill_job()
-    assert killed, f"no Ray worker pid found in the driver's log:\n{tail(first.log)}"
+    # One FSDP rank dies (kill -9) in step 6: the run ends by itself within seconds, naming the dead worker (verl's
+    # next call on it raises ActorDiedError), and never hangs; then whatever is left of the job goes too.
+    ranks = sorted(set(process_ids("ray::WorkerDict")) & first.job_pids())
+    assert len(ranks) == 2, f"two FSDP ranks expected, found {ranks}:\n{tail(first.log)}"
+    killed_at = time.monotonic()
+    os.kill(ranks[-1], signal.SIGKILL)
+    first.proc.wait(timeout=RANK_DEATH_BOUND_S)
+    ended_after = time.monotonic() - killed_at
+    assert first.proc.returncode != 0 and ended_after < RANK_DEATH_BOUND_S, (first.proc.returncode, ended_after)
+    assert "ActorDiedError" in first.log and f"pid: {ranks[-1]}" in first.log, tail(first.log)
+    assert "WorkerDict" in first.log.split("ActorDiedError", 1)[1]
+    first.kill_job()
     tracker = (ckpt / TRACKER_FILE).read_text().strip()
     assert tracker == "4", f"the kill came after the step-6 checkpoint (tracker={tracker}); step 6 ran too fast"
     # every rank's shard of model, optimiser and extra state, for world size two

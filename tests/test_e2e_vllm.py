@@ -211,7 +211,10 @@ def test_launcher_rollout_settings_run_on_cpu_with_the_async_pause(ray_cluster, 
 
     # The real run, through the launcher script, joining the session's Ray cluster: one GPU on each of two nodes
     # (the launcher's path checks accept the asset cache under $HOME: both simulated nodes share this host's disk).
-    metrics_path = tmp_path / "metrics.jsonl"
+    # The file log is where the launcher puts it by default, under CKPTS_DIR (shared storage on a cluster), wherever
+    # the TaskRunner lands: no path is given here.
+    log_root = tmp_path / "ckpt" / "logs"
+    metrics_path = log_root / str(cpu_run["trainer.project_name"]) / f"{cpu_run['trainer.experiment_name']}.jsonl"
     two_nodes = {"NNODES": "2", "NGPUS_PER_NODE": "1", "ALLOW_HOME_PATHS": "1"}
     env = _launcher_env(
         tmp_path, demo_assets, {"RAY_ADDRESS": ray_cluster.address, "RAY_AUTH_MODE": "disabled", **two_nodes}
@@ -222,8 +225,8 @@ def test_launcher_rollout_settings_run_on_cpu_with_the_async_pause(ray_cluster, 
     runtime_env = "+ray_kwargs.ray_init.runtime_env.env_vars"
     args = [
         *cpu_args, "ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null",
-        "trainer.logger=[console,file]", f"{runtime_env}.VERL_FILE_LOGGER_PATH={metrics_path}",
-        f"{runtime_env}.VERL_LOGGING_LEVEL=INFO", f"hydra.run.dir={tmp_path / 'hydra'}",
+        "trainer.logger=[console,file]", f"{runtime_env}.VERL_LOGGING_LEVEL=INFO",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
     ]  # fmt: skip
     log_path = tmp_path / "launcher.log"
     shm_before = _shm_segments()
@@ -234,6 +237,7 @@ def test_launcher_rollout_settings_run_on_cpu_with_the_async_pause(ray_cluster, 
         )
     log_text = log_path.read_text(errors="replace")
     assert proc.returncode == 0, tail(log_text)
+    assert sorted(log_root.rglob("*.jsonl")) == [metrics_path], sorted(log_root.rglob("*"))
     metrics = read_metrics(metrics_path)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4], tail(log_text)
 
@@ -243,6 +247,8 @@ def test_launcher_rollout_settings_run_on_cpu_with_the_async_pause(ray_cluster, 
     assert len(set(placed["vLLMHttpServer"])) == 2 and len(placed["vLLMHttpServer"]) == 2, placed
     nodes = {n["NodeID"] for n in ray_session.nodes() if n["Alive"]}
     assert set(placed["WorkerDict"]) == set(placed["vLLMHttpServer"]) == nodes, (placed, nodes)
+    # the TaskRunner (the trackers' only writer) ran on one of them, in a working directory of Ray's choosing
+    assert len(placed["GTPOTaskRunner"]) == 1 and set(placed["GTPOTaskRunner"]) <= nodes, placed
     # verl's vLLM server and engine generated (not a stand-in), with the launcher's sampling
     assert "vLLMHttpServer" in log_text and "EngineCore" in log_text
     assert all(m["data"]["response_length/min"] < m["data"]["response_length/max"] for m in metrics)

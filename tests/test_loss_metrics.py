@@ -53,7 +53,7 @@ def _update_actor(ranks: list[dict], key: str) -> float:
 def _grpo_s_loss():
     from verl.workers.utils.losses import ppo_loss
 
-    from gtpo.verl_plugin.entropy_shaping import GRPOSPPOLoss
+    from gtpo.verl_plugin.loss_metrics import GRPOSPPOLoss
 
     config = _actor_config("seq-mean-token-mean", loss_mode="grpo_s")
     return GRPOSPPOLoss(config), partial(ppo_loss, config=config)

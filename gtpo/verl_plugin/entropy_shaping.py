@@ -7,10 +7,8 @@ Registers into verl's registries on import (only ``verl.trainer.ppo.core_algos``
 - ``register_policy_loss("grpo_s")`` -> :func:`compute_policy_loss_grpo_s` (arithmetic-mean sequence ratio, clipped
   per sequence; use ``actor.loss_agg_mode=seq-mean-token-mean`` for the paper's 1/G mean over sequences).
 
-verl's ``ppo_loss`` logs every registered loss's metrics as means over micro-batches and data-parallel ranks; a
-``Metric`` returned by the loss would make it raise. With the grpo_s loss the recipe's trainer therefore installs
-:class:`GRPOSPPOLoss` in the actor workers (:func:`install_grpo_s_loss`): verl's ``ppo_loss`` with
-``grpo_s/seq_ratio_min`` / ``_max`` aggregated as min / max (:data:`EXTREMA_METRICS`).
+verl's ``ppo_loss`` logs every registered loss's metrics as means over micro-batches and data-parallel ranks; the
+extremes ``grpo_s/seq_ratio_min`` / ``_max`` are aggregated as min / max by :mod:`gtpo.verl_plugin.loss_metrics`.
 
 The estimators follow the recipe's contract: ``fn(token_level_rewards, response_mask, index, config, entropy=None,
 responses=None, metrics=None, **kwargs) -> (advantages, returns)``. The sequence reward is
@@ -39,16 +37,12 @@ from gtpo.verl_plugin.config import load_knobs
 
 __all__ = [
     "ESTIMATORS_APPLYING_GROP",
-    "EXTREMA_METRICS",
-    "GRPOSPPOLoss",
     "compute_gtpo_advantage",
     "compute_grpo_s_advantage",
     "compute_policy_loss_grpo_s",
-    "install_grpo_s_loss",
     "load_gtpo_params",
     "load_grpo_s_params",
     "load_grop_params",
-    "tag_extrema",
 ]
 
 
@@ -235,7 +229,7 @@ def compute_policy_loss_grpo_s(
     Returns:
         ``(loss, metrics)``; metrics ``grpo_s/seq_ratio_mean|min|max``, ``grpo_s/seq_clipfrac``,
         ``grpo_s/seq_clipfrac_high``, ``grpo_s/seq_clipfrac_low``, ``grpo_s/ppo_kl`` as python floats (of this
-        micro-batch; :class:`GRPOSPPOLoss` makes the extremes aggregate as min / max).
+        micro-batch; :mod:`gtpo.verl_plugin.loss_metrics` makes the extremes aggregate as min / max).
     """
     if config is None:
         raise ValueError("policy loss grpo_s needs the actor config (clip_ratio_low / clip_ratio_high), got None")
@@ -264,62 +258,3 @@ def compute_policy_loss_grpo_s(
         "grpo_s/ppo_kl": float(kl),
     }
     return loss, metrics
-
-
-# The grpo_s loss's metrics that are extremes of one micro-batch, and how to combine them.
-EXTREMA_METRICS = {"grpo_s/seq_ratio_min": "min", "grpo_s/seq_ratio_max": "max"}
-
-
-def tag_extrema(metrics: dict) -> dict:
-    """Make the :data:`EXTREMA_METRICS` among a loss's verl ``Metric`` values aggregate as min / max (in place).
-
-    verl's ``ppo_loss`` wraps each registered-loss metric as ``Metric(value, MEAN)``; the worker then averages the
-    micro-batch values over micro-batches and DP ranks (``Metric.aggregate_dp``), where MIN / MAX take the extreme.
-    """
-    from verl.utils.metric import AggregationType, Metric
-
-    for key, aggregation in EXTREMA_METRICS.items():
-        value = metrics.get(key)
-        if isinstance(value, Metric) and value.aggregation is not AggregationType(aggregation):
-            tagged = Metric(AggregationType(aggregation))
-            tagged.extend(value.values)
-            metrics[key] = tagged
-    return metrics
-
-
-class GRPOSPPOLoss:
-    """Loss callable for ``set_loss_fn``: verl's ``ppo_loss`` (what verl's actor worker calls) plus
-    :func:`tag_extrema`. ``fn(model_output, data, dp_group=None) -> (loss, metrics)``.
-
-    Args:
-        actor_config: the actor dataclass (``omega_conf_to_dataclass(config.actor_rollout_ref.actor)``).
-    """
-
-    def __init__(self, actor_config: Any):
-        self.config = actor_config
-
-    def __call__(self, model_output: dict, data: Any, dp_group: Any = None):
-        from verl.workers.utils.losses import ppo_loss
-
-        loss, metrics = ppo_loss(self.config, model_output, data, dp_group=dp_group)
-        return loss, tag_extrema(metrics)
-
-
-def install_grpo_s_loss(trainer: Any) -> bool:
-    """Install :class:`GRPOSPPOLoss` in every actor worker when the policy loss is ``grpo_s``.
-
-    Not with verl's distillation, whose own loss the workers keep (the extremes are then averaged). Call once after
-    ``init_workers``, before the first step.
-
-    Returns:
-        Whether it was installed.
-    """
-    from omegaconf import OmegaConf
-    from verl.utils.config import omega_conf_to_dataclass
-
-    config = trainer.config
-    loss_mode = OmegaConf.select(config, "actor_rollout_ref.actor.policy_loss.loss_mode", default="vanilla")
-    if loss_mode != "grpo_s" or OmegaConf.select(config, "distillation.enabled", default=False):
-        return False
-    trainer.actor_rollout_wg.set_loss_fn(GRPOSPPOLoss(omega_conf_to_dataclass(config.actor_rollout_ref.actor)))
-    return True

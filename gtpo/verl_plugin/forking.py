@@ -33,10 +33,10 @@ fp32 copy and softmax of every chunk, ~28 GiB at the 7B preset's 24,576-token bu
 entropy of this very forward pass. Metrics (loss side, logged by verl as ``actor/forking/...``):
 ``forking/selected_token_frac``, ``forking/entropy_threshold`` (each micro-batch's threshold; averaged over
 micro-batches, ranks and mini-batches like verl's own loss metrics). Any min / max metric of the policy loss inside
-(``grpo_s/seq_ratio_min|max``) is aggregated as a min / max (:func:`gtpo.verl_plugin.entropy_shaping.tag_extrema`).
+(``grpo_s/seq_ratio_min|max``) is aggregated as a min / max (:func:`gtpo.verl_plugin.loss_metrics.tag_extrema`).
 
 :func:`install` is the recipe's one place that replaces verl's actor loss: :class:`ForkingPPOLoss` with forking
-tokens, else the grpo_s policy loss's :class:`gtpo.verl_plugin.entropy_shaping.GRPOSPPOLoss`.
+tokens, else the grpo_s policy loss's :class:`gtpo.verl_plugin.loss_metrics.GRPOSPPOLoss`.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class ForkingPPOLoss:
         from verl.workers.utils.losses import ppo_loss
         from verl.workers.utils.padding import no_padding_2_padding
 
-        from gtpo.verl_plugin.entropy_shaping import tag_extrema
+        from gtpo.verl_plugin.loss_metrics import tag_extrema
 
         log_prob = no_padding_2_padding(model_output["log_probs"], data)
         width = log_prob.shape[1]
@@ -207,7 +207,7 @@ def batch_threshold_extra_info(entropy: torch.Tensor, response_mask: torch.Tenso
 
 def install(trainer: Any) -> ForkingParams | None:
     """Install :class:`ForkingPPOLoss` in every actor worker when ``algorithm.forking.enable``; else, with the grpo_s
-    policy loss, :class:`gtpo.verl_plugin.entropy_shaping.GRPOSPPOLoss`; else leave verl's loss.
+    policy loss, :class:`gtpo.verl_plugin.loss_metrics.GRPOSPPOLoss`; else leave verl's loss.
 
     Call once after ``init_workers`` (the actor worker group exists) and before the first step.
 
@@ -216,7 +216,7 @@ def install(trainer: Any) -> ForkingParams | None:
     """
     from verl.utils.config import omega_conf_to_dataclass
 
-    from gtpo.verl_plugin.entropy_shaping import install_grpo_s_loss
+    from gtpo.verl_plugin.loss_metrics import install_grpo_s_loss
 
     params = load_params(trainer.config.algorithm)
     if not params.enable:
