@@ -18,7 +18,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from gtpo.verl_plugin import checkpoint_state, checkpoints
+from gtpo.verl_plugin import checkpoint_state, checkpoint_world_size, checkpoints
 from gtpo.verl_plugin.checkpoints import TRACKER_FILE, CheckpointLayout, prune_checkpoints, resolve_auto_resume
 from tests.test_resume_checkpoint import make_trainer, save, write_shards
 
@@ -108,23 +108,23 @@ def test_the_trainer_layout_reads_the_actor_and_critic_config(root):
 
 
 def test_checkpoint_world_size_is_read_from_the_shard_names(root):
-    assert checkpoints.checkpoint_world_size(str(save(root, 2, world_size=8))) == 8
-    assert checkpoints.checkpoint_world_size(str(root / "global_step_404")) is None
+    assert checkpoint_world_size.checkpoint_world_size(str(save(root, 2, world_size=8))) == 8
+    assert checkpoint_world_size.checkpoint_world_size(str(root / "global_step_404")) is None
     folder = save(root, 4, upto=0)
     (folder / "actor" / "huggingface").mkdir(parents=True)
-    assert checkpoints.checkpoint_world_size(str(folder)) is None
+    assert checkpoint_world_size.checkpoint_world_size(str(folder)) is None
     write_shards(folder / "actor", world_size=1)
     write_shards(folder / "actor", world_size=2)
     with pytest.raises(ValueError, match="mixes the shards of world sizes 1, 2"):
-        checkpoints.checkpoint_world_size(str(folder))
+        checkpoint_world_size.checkpoint_world_size(str(folder))
 
 
 def test_a_resume_at_another_world_size_is_refused_naming_both_and_the_ways_out(root, monkeypatch):
     folder = save(root, 3, world_size=2)
-    checkpoints.check_resume_world_size(str(folder), nnodes=1, n_gpus_per_node=2)
-    checkpoints.check_resume_world_size(str(folder), nnodes=2, n_gpus_per_node=1)
+    checkpoint_world_size.check_resume_world_size(str(folder), nnodes=1, n_gpus_per_node=2)
+    checkpoint_world_size.check_resume_world_size(str(folder), nnodes=2, n_gpus_per_node=1)
     with pytest.raises(RuntimeError) as err:
-        checkpoints.check_resume_world_size(str(folder), nnodes=1, n_gpus_per_node=1)
+        checkpoint_world_size.check_resume_world_size(str(folder), nnodes=1, n_gpus_per_node=1)
     message = str(err.value)
     assert message.startswith(f"cannot resume from {folder} at world size 1 (trainer.nnodes=1 x ")
     assert "it was saved at world size 2 (model_world_size_2_rank_0.pt ... model_world_size_2_rank_1.pt)" in message
@@ -150,7 +150,7 @@ def test_a_resume_at_another_world_size_is_refused_naming_both_and_the_ways_out(
 def test_the_suggested_shape_keeps_the_gpus_per_node_where_it_can(root, saved, nnodes, n_gpus_per_node, suggested):
     folder = save(root, 3, world_size=saved)
     with pytest.raises(RuntimeError, match=f"at world size {nnodes * n_gpus_per_node} .* e.g. {suggested}"):
-        checkpoints.check_resume_world_size(str(folder), nnodes=nnodes, n_gpus_per_node=n_gpus_per_node)
+        checkpoint_world_size.check_resume_world_size(str(folder), nnodes=nnodes, n_gpus_per_node=n_gpus_per_node)
 
 
 @pytest.mark.parametrize("mode", ["auto", "resume_path"])
@@ -298,3 +298,47 @@ def test_the_trainer_prunes_after_verls_save_and_clears_another_world_size_first
     assert checkpoints.incomplete_reasons(str(stale), 6, SYNC) == []
     assert _steps(root) == [4, 6]
     assert "removed 1 older checkpoint folder(s) beyond trainer.max_actor_ckpt_to_keep=2" in capsys.readouterr().out
+
+
+def _trainer_cfg(root, **kw):
+    base = {"resume_mode": "auto", "default_local_dir": str(root), "resume_from_path": None, "nnodes": 1,
+            "n_gpus_per_node": 1}  # fmt: skip
+    return OmegaConf.create({**base, **kw})
+
+
+def test_the_driver_refuses_before_ray_starts_where_it_sees_the_folder(root):
+    save(root, 2, world_size=1)
+    save(root, 4, world_size=2)
+    with pytest.raises(RuntimeError, match=f"cannot resume from {root / 'global_step_4'} at world size 1 "):
+        checkpoint_world_size.check_world_size_before_launch(_trainer_cfg(root), async_mode=False)
+    assert checkpoint_world_size.check_world_size_before_launch(_trainer_cfg(root, n_gpus_per_node=2), False) == str(
+        root / "global_step_4"
+    )
+    # auto reads, never rewrites: a tracker naming an incomplete folder falls back to the newest complete one
+    save(root, 6, upto=3, world_size=1)  # shards, data, tracker; no state file
+    assert (root / TRACKER_FILE).read_text() == "6"
+    with pytest.raises(RuntimeError, match="global_step_4 at world size 1"):
+        checkpoint_world_size.check_world_size_before_launch(_trainer_cfg(root), async_mode=False)
+    assert (root / TRACKER_FILE).read_text() == "6"
+    # resume_path checks the folder it names, whatever its completeness
+    named = _trainer_cfg(root, resume_mode="resume_path", resume_from_path=str(root / "global_step_2"))
+    assert checkpoint_world_size.check_world_size_before_launch(named, async_mode=False) == str(root / "global_step_2")
+
+
+@pytest.mark.parametrize("mode", ["disable", "auto", "resume_path"])
+def test_nothing_to_check_when_there_is_no_resume_or_no_folder(root, mode):
+    cfg = _trainer_cfg(root / "not_here", resume_mode=mode, resume_from_path=str(root / "missing"))
+    assert checkpoint_world_size.check_world_size_before_launch(cfg, async_mode=True) is None
+
+
+def test_prepare_config_refuses_the_resume_before_ray_starts(root, monkeypatch):
+    from recipe.gtpo.main_gtpo import prepare_config
+    from tests.test_configs import compose
+
+    monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)  # prepare_config sets it; restored afterwards
+
+    save(root, 2, world_size=2)
+    cfg = compose(["backend=cpu_tiny", "trainer.resume_mode=auto", f"trainer.default_local_dir={root}"])
+    with pytest.raises(RuntimeError, match="saved at world size 2"):
+        prepare_config(cfg)
+    prepare_config(cfg, dry_run=True)  # a dry run may run where the cluster's storage is not mounted: no check

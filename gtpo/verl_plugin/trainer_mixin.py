@@ -59,7 +59,15 @@ from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_
 from verl.utils.debug import marked_timer
 from verl.workers.utils.padding import response_to_nested
 
-from gtpo.verl_plugin import checkpoint_state, checkpoints, forking, metric_history, startup_checks, watchdog
+from gtpo.verl_plugin import (
+    checkpoint_state,
+    checkpoint_world_size,
+    checkpoints,
+    forking,
+    metric_history,
+    startup_checks,
+    watchdog,
+)
 from gtpo.verl_plugin.dynamic_sampling import bound_generation_rounds
 from gtpo.verl_plugin.group_sizes import GroupParams, group_size_metrics
 
@@ -147,7 +155,7 @@ class GTPOTrainerMixin:
         # complete (the callback writes the new one once verl is done); that attempt's shards of another world size
         # would make the folder mix two sizes.
         checkpoint_state.discard_state(folder)
-        checkpoints.discard_other_world_sizes(folder, self._world_size())
+        checkpoint_world_size.discard_other_world_sizes(folder, self._world_size())
         super()._save_checkpoint()
         self._prune_checkpoints()
 
@@ -169,7 +177,7 @@ class GTPOTrainerMixin:
             resolved = os.path.abspath(trainer_cfg.resume_from_path)  # as verl resolves it
         if resolved is not None:
             # Before any worker loads: at another world size each one fails on a shard file that does not exist.
-            checkpoints.check_resume_world_size(resolved, trainer_cfg.nnodes, trainer_cfg.n_gpus_per_node)
+            checkpoint_world_size.check_resume_world_size(resolved, trainer_cfg.nnodes, trainer_cfg.n_gpus_per_node)
         super()._load_checkpoint()
         if self.global_steps > 0:
             folder = self._resumed_checkpoint_folder(resolved)

@@ -74,10 +74,12 @@ def prepare_config(config: DictConfig, dry_run: bool = False) -> None:
     GPU run, the plugin env and the log folders.
 
     A real run (``dry_run=False``) also checks that this environment imports the checkpoint engine's transport
-    (cupy for ``nccl``), and logs the startup notes; the dry run prints those itself, on a machine that is usually
-    not the cluster's image.
+    (cupy for ``nccl``), that a resume finds its checkpoint at this world size (where the driver sees the folder),
+    and logs the startup notes; the dry run prints those itself, on a machine that is usually not the cluster's
+    image.
     """
     from gtpo.verl_plugin.async_checks import check_checkpoint_engine, startup_notes
+    from gtpo.verl_plugin.checkpoint_world_size import check_world_size_before_launch
     from gtpo.verl_plugin.startup_checks import check_cpu_backend
     from gtpo.verl_plugin.validation import validate_recipe_config
 
@@ -87,6 +89,7 @@ def prepare_config(config: DictConfig, dry_run: bool = False) -> None:
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     if not dry_run:
         check_checkpoint_engine(config)
+        check_world_size_before_launch(config.trainer, async_mode="sync" not in str(config.trainer.v1.trainer_mode))
         for note in startup_notes(config):
             logger.warning("gtpo: %s", note)
     add_plugin_to_runtime_env(config)
