@@ -252,16 +252,19 @@ def test_errors_for_missing_entropy_and_wrong_agg_mode():
     assert load_params({}) == ForkingParams()
 
 
-def test_install_sets_loss_only_when_enabled():
+class _WorkerGroup:
+    """The actor worker group's ``set_loss_fn``, recorded."""
+
+    loss = None
+
+    def set_loss_fn(self, fn):
+        self.loss = fn
+
+
+def _install_trainer(forking: dict, loss_mode: str = "vanilla", distillation: bool = False):
+    """A trainer stand-in with what :func:`gtpo.verl_plugin.forking.install` reads: the algorithm and actor config,
+    distillation, and the actor worker group."""
     from omegaconf import OmegaConf
-
-    from gtpo.verl_plugin.forking import ForkingPPOLoss, install
-
-    class _WG:
-        loss = None
-
-        def set_loss_fn(self, fn):
-            self.loss = fn
 
     actor = {
         "_target_": "verl.workers.config.FSDPActorConfig",
@@ -271,16 +274,19 @@ def test_install_sets_loss_only_when_enabled():
         "ppo_mini_batch_size": 2,
         "loss_agg_mode": "token-mean",
         "calculate_entropy": True,
+        "policy_loss": {"loss_mode": loss_mode},
     }
+    config = {"algorithm": {"forking": forking}, "actor_rollout_ref": {"actor": actor}}
+    config["distillation"] = {"enabled": distillation}
+    return SimpleNamespace(config=OmegaConf.create(config), actor_rollout_wg=_WorkerGroup())
 
-    class _Trainer:
-        def __init__(self, forking):
-            self.config = OmegaConf.create({"algorithm": {"forking": forking}, "actor_rollout_ref": {"actor": actor}})
-            self.actor_rollout_wg = _WG()
 
-    t = _Trainer({"enable": False})
+def test_install_sets_loss_only_when_enabled():
+    from gtpo.verl_plugin.forking import ForkingPPOLoss, install
+
+    t = _install_trainer({"enable": False})
     assert install(t) is None and t.actor_rollout_wg.loss is None
-    t = _Trainer({"enable": True, "rho": 0.2})
+    t = _install_trainer({"enable": True, "rho": 0.2})
     assert install(t).rho == 0.2 and isinstance(t.actor_rollout_wg.loss, ForkingPPOLoss)
 
 
@@ -291,36 +297,9 @@ def test_install_sets_loss_only_when_enabled():
 def test_install_gives_the_grpo_s_loss_its_extremes(forking, distillation, installed):
     """With the grpo_s policy loss the workers get verl's ppo_loss re-tagging its min / max metrics
     (tests/test_loss_metrics.py); the forking loss does that itself; verl's distillation keeps its own loss."""
-    from omegaconf import OmegaConf
-
     from gtpo.verl_plugin.forking import install
 
-    class _WG:
-        loss = None
-
-        def set_loss_fn(self, fn):
-            self.loss = fn
-
-    actor = {
-        "_target_": "verl.workers.config.FSDPActorConfig",
-        "strategy": "fsdp",
-        "rollout_n": 2,
-        "ppo_micro_batch_size_per_gpu": 2,
-        "ppo_mini_batch_size": 2,
-        "loss_agg_mode": "token-mean",
-        "calculate_entropy": True,
-        "policy_loss": {"loss_mode": "grpo_s"},
-    }
-    trainer = SimpleNamespace(
-        config=OmegaConf.create(
-            {
-                "algorithm": {"forking": {"enable": forking}},
-                "actor_rollout_ref": {"actor": actor},
-                "distillation": {"enabled": distillation},
-            }
-        ),
-        actor_rollout_wg=_WG(),
-    )
+    trainer = _install_trainer({"enable": forking}, loss_mode="grpo_s", distillation=distillation)
     install(trainer)
     loss = trainer.actor_rollout_wg.loss
     assert (type(loss).__name__ if loss is not None else None) == installed
