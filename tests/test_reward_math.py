@@ -409,6 +409,24 @@ def test_lenient_grades_right_what_strict_grades_right(response, gold):
     assert (lenient["acc"], lenient["grade_status"], lenient["pred"]) == (True, "ok", strict["pred"])
 
 
+@pytest.mark.parametrize(
+    "response,gold,acc",
+    [
+        (r"\boxed{\text{5.50}}", "5.50", True),  # math-verify alone reads \text{5.50} as text: wrong in both modes
+        (r"\boxed{\textbf{5.50}}", "5.50", True),
+        (r"Answer: \textbf{5.50}", "5.50", True),
+        (r"so $\boxed{\mathrm{ 12 }}$.", "12", True),
+        (r"\boxed{\text{5.5}}", "5.50", True),
+        (r"\boxed{\text{6.50}}", "5.50", False),  # the number, not a pass for anything in \text{}
+        (r"\boxed{\text{5.50 dollars}}", "5.50", False),  # only a lone number is unwrapped
+    ],
+)
+def test_a_number_in_text_or_bold_type_is_graded_as_the_number(response, gold, acc):
+    for mode in ("strict", "lenient"):
+        out = compute_score("math", response, gold, extraction=mode, timeout_s=6)
+        assert out["acc"] is acc, (mode, out)
+
+
 def test_math500_reference_solutions_are_correct_in_both_modes(shared_data):
     rows = [json.loads(line) for line in (shared_data / "math500.jsonl").read_text().splitlines() if line.strip()]
     assert len(rows) == 500

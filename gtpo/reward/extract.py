@@ -106,6 +106,12 @@ def last_answer_line(text: str) -> tuple[str | None, int]:
     return content, last.start()
 
 
+# A whole answer that is one number inside a text-mode or bold command; math-verify reads \text{5.50} as text.
+_TEXT_WRAPPED_NUMBER = re.compile(
+    r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\{\s*([-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+))\s*(?:\\?%)?\s*\}"
+)
+
+
 def clean_answer(ans: str) -> str:
     """Strip markdown/math delimiters, percent and dollar signs, and trailing punctuation from an answer."""
     s = ans.strip()
@@ -114,6 +120,10 @@ def clean_answer(ans: str) -> str:
         if len(s) >= len(left) + len(right) and s.startswith(left) and s.endswith(right):
             s = s[len(left) : len(s) - len(right)].strip()
     s = s.strip("*").strip()
+    # a number set in text or bold type (\text{5.50}, \textbf{5.50}) is the number
+    wrapped = _TEXT_WRAPPED_NUMBER.fullmatch(s)
+    if wrapped:
+        s = wrapped.group(1)
     s = s.replace("\\%", "").replace("%", "").replace("\\$", "")
     s = _TRAILING_PUNCT.sub("", s)
     return s.strip().strip("$").strip()
