@@ -478,3 +478,67 @@ def test_memory_status_reaches_the_reward_without_an_exception(monkeypatch):
     assert get_pool().memory_limit_bytes == 1024 * 2**20
     with pytest.raises(ValueError, match="memory_limit_mb=-1"):
         GraderPool(memory_limit_mb=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# odd inputs at the grader's edges
+
+
+def test_a_response_longer_than_the_limit_is_graded_on_its_tail_in_both_modes():
+    from gtpo.reward.extract import MAX_RESPONSE_CHARS
+
+    response = "x " * MAX_RESPONSE_CHARS + r"so the answer is \boxed{42}"
+    for mode in ("strict", "lenient"):
+        out = compute_score("math", response, "42", extraction=mode, timeout_s=6)
+        assert (out["acc"], out["pred"]) == (True, "42"), (mode, out)
+    # the answer only before the tail: nothing to grade, in either mode
+    early = r"\boxed{42} " + "x " * MAX_RESPONSE_CHARS
+    for mode in ("strict", "lenient"):
+        assert compute_score("math", early, "42", extraction=mode, timeout_s=6)["acc"] is False, mode
+
+
+def test_a_gold_of_exactly_the_answer_limit_is_graded():
+    from gtpo.reward.extract import MAX_ANSWER_CHARS
+
+    gold = "1" * MAX_ANSWER_CHARS
+    for mode in ("strict", "lenient"):
+        assert compute_score("math", rf"\boxed{{{gold}}}", gold, extraction=mode, timeout_s=6)["acc"] is True, mode
+        wrong = "2" + gold[1:]
+        assert compute_score("math", rf"\boxed{{{wrong}}}", gold, extraction=mode, timeout_s=6)["acc"] is False, mode
+
+
+@pytest.mark.parametrize("mode", ["strict", "lenient"])
+def test_an_empty_gold_beside_a_real_one_is_skipped_not_matched(mode):
+    assert compute_score("math", r"\boxed{7}", ["", "7"], extraction=mode, timeout_s=6)["acc"] is True
+    assert compute_score("math", r"\boxed{7}", ["7", ""], extraction=mode, timeout_s=6)["acc"] is True
+    assert compute_score("math", r"\boxed{8}", ["", "7"], extraction=mode, timeout_s=6)["acc"] is False
+    assert compute_score("math", "", ["", "7"], extraction=mode, timeout_s=6)["acc"] is False
+
+
+@pytest.mark.parametrize("mode", ["strict", "lenient"])
+def test_a_boxed_gold_is_graded_by_its_content(mode):
+    assert compute_score("math", r"\boxed{50}", r"\boxed{50\%}", extraction=mode, timeout_s=6)["acc"] is True
+    assert compute_score("math", r"\boxed{51}", r"\boxed{50\%}", extraction=mode, timeout_s=6)["acc"] is False
+
+
+@pytest.mark.parametrize("transient", ["timeout", "busy", "memory"])
+@pytest.mark.parametrize("lenient", [False, True])
+def test_a_transient_failure_is_never_cached_as_a_verdict(transient, lenient, monkeypatch):
+    """Under load one timeout (or a busy pool) must not turn into a permanent wrong reward for the same pair."""
+    from gtpo.reward import math as reward_math
+
+    monkeypatch.setattr(reward_math, "_CACHE", {})
+    answers = iter([(False, transient), (True, "ok")])
+    calls = []
+
+    def grade(gold, text):
+        calls.append((gold, text))
+        verdict = next(answers)
+        return (*verdict, text) if lenient else verdict
+
+    first = reward_math._grade_any(grade, ["5"], "5", lenient=lenient)
+    assert first[:2] == (False, transient)
+    second = reward_math._grade_any(grade, ["5"], "5", lenient=lenient)
+    assert second[:2] == (True, "ok") and len(calls) == 2
+    # a real verdict is cached: the third call does not grade again
+    assert reward_math._grade_any(grade, ["5"], "5", lenient=lenient)[:2] == (True, "ok") and len(calls) == 2
