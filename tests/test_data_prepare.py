@@ -220,3 +220,13 @@ def test_parquet_loads_in_verl_rlhf_dataset(shared_data, tmp_path):
     assert len(ds) == 30
     assert item["raw_prompt"][0]["role"] == "user" and item["raw_prompt"][0]["content"].endswith("\\boxed{}.")
     assert item["index"] == 2 and item["reward_model"]["style"] == "rule" and item["data_source"] == "aime2025"
+
+
+def test_a_missing_input_file_is_one_line_naming_it(tmp_path, capsys):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--input", str(missing), "--out-dir", str(tmp_path), "--no-progress"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--input {missing}: no such file" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("*.parquet"))

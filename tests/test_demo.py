@@ -400,3 +400,12 @@ def test_make_plots_draws_curves_and_the_heatmap_of_the_mixed_step(tmp_path, ass
     )
     written = demo.make_plots(tmp_path / "text", "gtpo", metrics, rollouts, assets.tokenizer_dir, [])
     assert written["heatmap_step"] == 2 and (tmp_path / "text" / "heatmap" / "2.score.png").is_file()
+
+
+def test_an_unknown_method_is_one_line_naming_presets_and_estimators(capsys):
+    assert demo.main(["--method", "nope", "--dry-run", "--steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "error: method='nope': neither a method preset (dapo, dapo_forking, grpo, grpo_s, gtpo, gtpo_traj)" in err
+    assert "registered advantage estimator (gae," in err and "Traceback" not in err
+    # a registered estimator without a preset still runs as one
+    assert demo.method_overrides("rloo") == ["algorithm.adv_estimator=rloo"]

@@ -69,6 +69,16 @@ def method_overrides(method: str) -> list[str]:
         raise ValueError(f"method={method!r}: expected a preset or estimator name such as gtpo or grpo")
     if (REPO_ROOT / "configs" / "method" / f"{method}.yaml").is_file():
         return [f"method={method}"]
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+
+    import gtpo.verl_plugin.register  # noqa: F401  (the recipe's estimators)
+
+    if method not in ADV_ESTIMATOR_REGISTRY:
+        presets = sorted(p.stem for p in (REPO_ROOT / "configs" / "method").glob("*.yaml"))
+        raise ValueError(
+            f"method={method!r}: neither a method preset ({', '.join(presets)}) nor a registered advantage estimator "
+            f"({', '.join(sorted(ADV_ESTIMATOR_REGISTRY))})"
+        )
     return [f"algorithm.adv_estimator={method}"]
 
 

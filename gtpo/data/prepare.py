@@ -349,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     sources = list(args.input) + [f"hf:{name}" for name in args.hf]
     if not sources:
         parser.error("give --input FILE... and/or --hf NAME...")
+    missing = [path for path in args.input if not Path(path).is_file()]
+    if missing:
+        parser.error(f"--input {' '.join(missing)}: no such file (a JSONL file with id/problem/answer/source per line)")
     report = {}
     for source in sources:
         try:
