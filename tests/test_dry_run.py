@@ -235,3 +235,20 @@ def test_term_arithmetic():
     term = Term("logits", 24_576, 152_064, 2, 2, "why")
     assert term.gib == 24_576 * 152_064 * 2 * 2 / GIB == pytest.approx(13.92, abs=0.01)
     assert str(term) == "logits 24,576 x 152,064 x 2 B x 2 = 13.9 GiB (why)"
+
+
+def test_a_bad_knob_on_a_launcher_is_one_line_and_exit_2(tmp_path):
+    """``algorithm.gtpo.alpha2=abc`` on a launcher: the value and what is allowed, no Python traceback (unless
+    ``GTPO_TRACEBACK=1``), before Ray starts."""
+    import subprocess
+
+    from tests.test_launch_scripts import dry_run_env, script_path
+
+    cmd = ["bash", str(script_path("gtpo", "7b")), "algorithm.gtpo.alpha2=abc"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=dry_run_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "gtpo: invalid configuration: algorithm.gtpo.alpha2='abc': must be a finite real number" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    env = {**dry_run_env(tmp_path), "GTPO_TRACEBACK": "1"}
+    traced = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert traced.returncode != 0 and "Traceback" in traced.stderr and "alpha2='abc'" in traced.stderr

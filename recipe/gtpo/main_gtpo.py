@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import hydra
 import ray
@@ -26,6 +27,8 @@ from verl.utils.device import auto_set_device
 from gtpo.verl_plugin.config import merge_module_list
 
 PLUGIN_MODULE = "gtpo.verl_plugin.register"
+# Exit status of a configuration refused before Ray starts (GTPO_TRACEBACK=1 raises it with its traceback instead).
+CONFIG_ERROR_EXIT = 2
 # Where verl's file logger, TensorBoard and W&B write (scripts/common.sh sets them under CKPTS_DIR). The TaskRunner
 # writes the logs; on a running cluster it sees the runtime env, not the driver's shell, and verl's relative
 # defaults would put the logs in its node's scratch copy of the working directory.
@@ -100,13 +103,20 @@ def prepare_config(config: DictConfig, dry_run: bool = False) -> None:
 def main(config: DictConfig) -> None:
     import gtpo.verl_plugin.register  # noqa: F401  (registers in the driver too: validation looks names up)
 
-    if os.environ.get("DRY_RUN", "0").lower() in ("1", "true", "yes"):
+    dry_run = os.environ.get("DRY_RUN", "0").lower() in ("1", "true", "yes")
+    try:
+        prepare_config(config, dry_run=dry_run)
+    except ValueError as err:
+        # a bad value on the command line or in a preset: one line naming it, no traceback unless asked for
+        if os.environ.get("GTPO_TRACEBACK", "0") == "1":
+            raise
+        print(f"gtpo: invalid configuration: {err}", file=sys.stderr)
+        sys.exit(CONFIG_ERROR_EXIT)
+    if dry_run:
         from gtpo.verl_plugin.dry_run import run_dry
 
-        prepare_config(config, dry_run=True)
         run_dry(config)
         return
-    prepare_config(config)
     run_ppo(config, task_runner_class=ray.remote(GTPOTaskRunner))
 
 
