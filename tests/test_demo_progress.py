@@ -62,6 +62,7 @@ FAKE_TRAINER = textwrap.dedent(
         with open(path, "a") as f:
             f.write(json.dumps({"step": step, "data": {"critic/score/mean": step / 4, "actor/entropy": 3.0 - step}}))
             f.write("\\n")
+    time.sleep(1.5)  # the trainer saves and shuts down after its last step: a later elapsed time, same step
     sys.exit(int(sys.argv[2]))
     """
 )
@@ -88,6 +89,8 @@ def test_trainer_output_goes_to_the_log_and_progress_to_the_console(tmp_path):
     assert lines[-1].startswith("[demo] step 3/3, reward 0.75, entropy 0.00, elapsed ")
     assert lines[-1].endswith("remaining ~0s")
     assert len(lines) == len(set(lines)) <= 5
+    # one line for the last step, whether the polling loop saw it before the trainer exited or only the final show
+    assert sum(line.startswith("[demo] step 3/3") for line in lines) == 1, lines
 
 
 def test_exit_code_and_timeout_are_returned(tmp_path):

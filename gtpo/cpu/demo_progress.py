@@ -106,11 +106,11 @@ def run_trainer_with_progress(
     start = time.monotonic()
     tracker = ProgressTracker(total_steps, start)
     printed_bucket = -1
-    printed_text = ""
+    printed_step: int | None = None
     width = 0
 
     def show(final: bool = False) -> None:
-        nonlocal printed_bucket, printed_text, width
+        nonlocal printed_bucket, printed_step, width
         now = time.monotonic()
         step, values = latest_metrics(metrics_path, (reward_key, ENTROPY_KEY))
         tracker.update(step, now)
@@ -129,9 +129,9 @@ def run_trainer_with_progress(
             stream.flush()
             return
         bucket = tracker.step * 10 // max(total_steps, 1)
-        # the final line is always shown, but never twice in a row (the last step's line may already say it all)
-        if (final and text != printed_text) or bucket > printed_bucket:
-            printed_bucket, printed_text = bucket, text
+        # the final line is shown unless a line of the same step already was (the last step's line says it all)
+        if (final and tracker.step != printed_step) or bucket > printed_bucket:
+            printed_bucket, printed_step = bucket, tracker.step
             stream.write(text + "\n")
             stream.flush()
 
