@@ -310,25 +310,25 @@ def test_the_driver_refuses_before_ray_starts_where_it_sees_the_folder(root):
     save(root, 2, world_size=1)
     save(root, 4, world_size=2)
     with pytest.raises(RuntimeError, match=f"cannot resume from {root / 'global_step_4'} at world size 1 "):
-        checkpoint_world_size.check_world_size_before_launch(_trainer_cfg(root), async_mode=False)
-    assert checkpoint_world_size.check_world_size_before_launch(_trainer_cfg(root, n_gpus_per_node=2), False) == str(
+        checkpoint_world_size.check_world_size_before_launch(_trainer_cfg(root), SYNC)
+    assert checkpoint_world_size.check_world_size_before_launch(_trainer_cfg(root, n_gpus_per_node=2), SYNC) == str(
         root / "global_step_4"
     )
     # auto reads, never rewrites: a tracker naming an incomplete folder falls back to the newest complete one
     save(root, 6, upto=3, world_size=1)  # shards, data, tracker; no state file
     assert (root / TRACKER_FILE).read_text() == "6"
     with pytest.raises(RuntimeError, match="global_step_4 at world size 1"):
-        checkpoint_world_size.check_world_size_before_launch(_trainer_cfg(root), async_mode=False)
+        checkpoint_world_size.check_world_size_before_launch(_trainer_cfg(root), SYNC)
     assert (root / TRACKER_FILE).read_text() == "6"
     # resume_path checks the folder it names, whatever its completeness
     named = _trainer_cfg(root, resume_mode="resume_path", resume_from_path=str(root / "global_step_2"))
-    assert checkpoint_world_size.check_world_size_before_launch(named, async_mode=False) == str(root / "global_step_2")
+    assert checkpoint_world_size.check_world_size_before_launch(named, SYNC) == str(root / "global_step_2")
 
 
 @pytest.mark.parametrize("mode", ["disable", "auto", "resume_path"])
 def test_nothing_to_check_when_there_is_no_resume_or_no_folder(root, mode):
     cfg = _trainer_cfg(root / "not_here", resume_mode=mode, resume_from_path=str(root / "missing"))
-    assert checkpoint_world_size.check_world_size_before_launch(cfg, async_mode=True) is None
+    assert checkpoint_world_size.check_world_size_before_launch(cfg, ASYNC) is None
 
 
 def test_prepare_config_refuses_the_resume_before_ray_starts(root, monkeypatch):
@@ -342,3 +342,19 @@ def test_prepare_config_refuses_the_resume_before_ray_starts(root, monkeypatch):
     with pytest.raises(RuntimeError, match="saved at world size 2"):
         prepare_config(cfg)
     prepare_config(cfg, dry_run=True)  # a dry run may run where the cluster's storage is not mounted: no check
+
+
+def test_prepare_config_reads_an_async_run_checkpoints_as_its_trainer_does(root, monkeypatch):
+    """Under colocate_async a folder without transfer_queue/ is incomplete: the driver skips it as the trainer's
+    resume would, and checks the complete one it would load instead (saved at this world size)."""
+    from recipe.gtpo.main_gtpo import prepare_config
+    from tests.test_configs import compose
+
+    monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
+    save(root, 2, world_size=1, async_mode=True)
+    save(root, 4, world_size=2)  # no transfer_queue/: not resumable by an asynchronous trainer
+    cfg = compose(["backend=cpu_tiny", "trainer=colocate_async", "trainer.resume_mode=auto",
+                   f"trainer.default_local_dir={root}"])  # fmt: skip
+    prepare_config(cfg)
+    with pytest.raises(RuntimeError, match="global_step_4 at world size 1"):
+        prepare_config(compose(["backend=cpu_tiny", "trainer.resume_mode=auto", f"trainer.default_local_dir={root}"]))

@@ -35,6 +35,8 @@ def _log_prob_rows_per_rank(batch_rows: int, world: int, mini_rows: int) -> int:
 
 def check_micro_batches(config: DictConfig) -> None:
     """Raise ``ValueError`` when a fixed micro-batch does not divide a rank's rows at the run's world size."""
+    from gtpo.verl_plugin.async_checks import verl_mode
+
     nnodes, gpus = int(_get(config, "trainer.nnodes", 1)), int(_get(config, "trainer.n_gpus_per_node", 1))
     world = nnodes * gpus
     where = f"trainer.nnodes={nnodes} x trainer.n_gpus_per_node={gpus} = {world} ranks"
@@ -57,8 +59,8 @@ def check_micro_batches(config: DictConfig) -> None:
                 f"{mini_rows // world} responses each rank gets of a mini-batch ({mini_rows} over {where}); use a "
                 "divisor of it or actor_rollout_ref.actor.use_dynamic_bsz=true"
             )
-    mode = str(_get(config, "trainer.v1.trainer_mode", "gtpo_sync"))
-    slices = int(_get(config, "trainer.v1.separate_async.parameter_sync_step", 1) or 1) if "separate" in mode else 1
+    separate = verl_mode(str(_get(config, "trainer.v1.trainer_mode", "gtpo_sync"))) == "separate_async"
+    slices = int(_get(config, "trainer.v1.separate_async.parameter_sync_step", 1) or 1) if separate else 1
     batch_rows = int(train_batch) // slices * n
     per_rank = _log_prob_rows_per_rank(batch_rows, world, mini_rows)
     uses_ref = bool(_get(config, "actor_rollout_ref.actor.use_kl_loss", False)) or bool(

@@ -85,10 +85,11 @@ def check_resume_world_size(folder: str, nnodes: int, n_gpus_per_node: int) -> N
     )
 
 
-def check_world_size_before_launch(trainer_cfg: Any, async_mode: bool) -> str | None:
+def check_world_size_before_launch(trainer_cfg: Any, layout: CheckpointLayout) -> str | None:
     """The driver's early :func:`check_resume_world_size`, before Ray starts or a GPU is allocated: the folder a
     resume would load (``resume_path``: the named one; ``auto``: the tracker's when complete, else the newest complete
-    one; read only, nothing rewritten). Returns the folder checked; None when there is nothing to check here (no
+    one, complete as ``layout`` says, :func:`gtpo.verl_plugin.checkpoints.layout_of`; read only, nothing rewritten).
+    Returns the folder checked; None when there is nothing to check here (no
     resume, or the checkpoint folder is not visible from the driver: the trainer checks again before loading).
 
     Raises:
@@ -99,7 +100,6 @@ def check_world_size_before_launch(trainer_cfg: Any, async_mode: bool) -> str | 
         folder = os.path.abspath(str(trainer_cfg.resume_from_path))
     elif mode == "auto" and trainer_cfg.get("default_local_dir"):
         root = os.path.abspath(str(trainer_cfg.default_local_dir))
-        layout = CheckpointLayout(use_critic=False, async_mode=async_mode)
         step, _ = read_tracker(root)
         named = os.path.join(root, f"global_step_{step}") if step is not None else None
         if named is not None and not incomplete_reasons(named, step, layout):

@@ -68,6 +68,7 @@ __all__ = [
     "TRACKER_FILE",
     "CheckpointLayout",
     "incomplete_reasons",
+    "layout_of",
     "loaded_shards",
     "newest_complete",
     "prune_checkpoints",
@@ -118,6 +119,17 @@ def loaded_shards(role_config: Any) -> tuple[str, ...]:
     if contents is None:
         contents = ["model", "optimizer", "extra"]  # BaseCheckpointManager's default
     return tuple(kind for kind in SHARD_KINDS if _CONTENT_OF_KIND[kind] in contents)
+
+
+def layout_of(config: Any, use_critic: bool, async_mode: bool) -> CheckpointLayout:
+    """The :class:`CheckpointLayout` of a run of ``config`` (the trainer's, and the entry point's before Ray starts):
+    the shards each role's resume loads (:func:`loaded_shards`)."""
+    return CheckpointLayout(
+        use_critic=use_critic,
+        async_mode=async_mode,
+        actor_shards=loaded_shards(config.actor_rollout_ref.actor),
+        critic_shards=loaded_shards(config.critic) if use_critic else (),
+    )
 
 
 def shard_files(directory: str) -> dict[int, dict[tuple[str, int], int]]:

@@ -160,12 +160,7 @@ class GTPOTrainerMixin:
         self._prune_checkpoints()
 
     def _checkpoint_layout(self) -> checkpoints.CheckpointLayout:
-        return checkpoints.CheckpointLayout(
-            use_critic=bool(self.use_critic),
-            async_mode=self.trainer_mode != "sync",
-            actor_shards=checkpoints.loaded_shards(self.config.actor_rollout_ref.actor),
-            critic_shards=checkpoints.loaded_shards(self.config.critic) if self.use_critic else (),
-        )
+        return checkpoints.layout_of(self.config, bool(self.use_critic), async_mode=self.trainer_mode != "sync")
 
     def _load_checkpoint(self):
         trainer_cfg = self.config.trainer

@@ -81,8 +81,9 @@ def prepare_config(config: DictConfig, dry_run: bool = False) -> None:
     and logs the startup notes; the dry run prints those itself, on a machine that is usually not the cluster's
     image.
     """
-    from gtpo.verl_plugin.async_checks import check_checkpoint_engine, startup_notes
+    from gtpo.verl_plugin.async_checks import check_checkpoint_engine, startup_notes, verl_mode
     from gtpo.verl_plugin.checkpoint_world_size import check_world_size_before_launch
+    from gtpo.verl_plugin.checkpoints import layout_of
     from gtpo.verl_plugin.startup_checks import check_cpu_backend
     from gtpo.verl_plugin.validation import validate_recipe_config
 
@@ -92,7 +93,8 @@ def prepare_config(config: DictConfig, dry_run: bool = False) -> None:
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     if not dry_run:
         check_checkpoint_engine(config)
-        check_world_size_before_launch(config.trainer, async_mode="sync" not in str(config.trainer.v1.trainer_mode))
+        async_mode = verl_mode(str(config.trainer.v1.trainer_mode)) != "sync"
+        check_world_size_before_launch(config.trainer, layout_of(config, need_critic(config), async_mode))
         for note in startup_notes(config):
             logger.warning("gtpo: %s", note)
     add_plugin_to_runtime_env(config)
