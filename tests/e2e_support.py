@@ -28,14 +28,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # Two FSDP ranks and two vLLM replicas, one of each on each of the session cluster's two nodes.
 WORLD_SIZE_2 = ("trainer.nnodes=2", "trainer.n_gpus_per_node=1")
 PYTHON = sys.executable
-RAY = str(Path(PYTHON).with_name("ray"))
-
-
-def cluster_env() -> dict[str, str]:
-    """Environment of every raylet: the CPU backend's variables but no plugin list (see module docstring)."""
-    from gtpo.cpu.cluster import cluster_env as raylet_env
-
-    return raylet_env()
 
 
 class RayCluster:
@@ -60,7 +52,7 @@ class RayCluster:
         return self.procs[0] if self.procs else None
 
     def start(self, timeout: float = 180.0) -> None:
-        from gtpo.cpu.cluster import node_command, wait_for_nodes
+        from gtpo.cpu.cluster import cluster_env, node_command, wait_for_nodes
 
         env = cluster_env()
         for i in range(self.nodes):
@@ -84,9 +76,10 @@ class RayCluster:
 
     def status(self) -> subprocess.CompletedProcess:
         """``ray status`` of this cluster (text output)."""
-        return subprocess.run(
-            [RAY, "status", f"--address={self.address}"], capture_output=True, text=True, env=cluster_env(), timeout=60
-        )
+        from gtpo.cpu.cluster import cluster_env, ray_executable
+
+        cmd = [ray_executable(), "status", f"--address={self.address}"]
+        return subprocess.run(cmd, capture_output=True, text=True, env=cluster_env(), timeout=60)
 
     def wait_until_free(self, timeout: float = 180.0) -> None:
         """Wait while an earlier job still holds the cluster's GPU slot (a run killed by a timeout frees it only once
