@@ -65,9 +65,30 @@ def env(extra_modules: tuple[str, ...] | list[str] = (), base: dict[str, str] | 
             "RAY_DEDUP_LOGS": "0",
             # No pinning of vLLM's OpenMP threads to cores: the trainer and vLLM share the machine's cores.
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            # Lets the preset's distributed_executor_backend=uni stand: vLLM's CPU platform turns "uni" back into "mp"
+            # unless this is 0 (vllm/platforms/cpu.py). verl's AsyncLLM still runs the engine core in its own
+            # process; only the separate model-worker process and its busy-waiting queue go away.
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            # TransferQueue's torch threads per put/get (default 8): above the physical core count it logs a warning
+            # on every call (~400 lines per demo step, each carried through Ray's log pipeline to the driver)
+            "TQ_NUM_THREADS": str(transfer_queue_threads()),
+            # Ray prestarts idle Python workers for the first driver; every actor of a run carries the job's runtime
+            # env, so none of them is ever used: they only import Ray on the cores the start-up needs
+            "RAY_prestart_worker_first_driver": "0",
         }
     )
     return out
 
 
-__all__ = ["CPU_MODULES", "env"]
+def transfer_queue_threads() -> int:
+    """TransferQueue's default thread count (8) capped at the physical cores, the cap it applies itself."""
+    try:
+        import psutil
+
+        cores = psutil.cpu_count(logical=False)
+    except ImportError:  # pragma: no cover - psutil comes with ray
+        cores = None
+    return max(1, min(8, cores or os.cpu_count() or 1))
+
+
+__all__ = ["CPU_MODULES", "env", "transfer_queue_threads"]
