@@ -99,8 +99,12 @@ def test_mixin_methods_win_and_the_mode_hooks_stay_verl_s(registered):
     for name in recipe:
         assert getattr(cls, name) is getattr(GTPOTrainerMixin, name), name
     # the mode's own hooks (weight sync, abort / resume of partial rollout, old-log-prob versioning) are verl's
-    for name in ("on_step_end", "on_sample_end", "on_train_begin", "get_llm_client", "_compute_old_log_prob"):
+    for name in ("on_sample_end", "on_train_begin", "get_llm_client", "_compute_old_log_prob"):
         assert getattr(cls, name) is getattr(base, name), name
+    # the step boundaries go through the preemption check, then on to the mode's own hooks
+    for name in ("on_step_begin", "on_step_end", "_validate"):
+        assert getattr(cls, name) is getattr(GTPOTrainerMixin, name), name
+        assert getattr(super(GTPOTrainerMixin, cls), name) is getattr(base, name), name
 
 
 def test_staleness_is_logged_beside_the_estimator_metrics():

@@ -4,11 +4,13 @@ picked by ``configs/backend/trainer/cpu_tiny_separate_async.yaml``).
 
     .venv/bin/python -m pytest -q -m e2e tests/test_e2e_separate_async.py
 
-1. GTPO, 4 steps in two ``parameter_sync_step`` slices each, a checkpoint every 2 steps keeping one, then a resume
-   to step 6: where Ray placed the two pools, staleness (the standalone pool generates ahead with the weights of the
-   last sync), the estimator's slice (rows and groups per call, two calls per step), the weights reaching the
-   standalone replica at every sync (the bytes each side of the CPU engine counted), ``transfer_queue/`` saved with
-   each checkpoint and gone with its actor, the resumed run's steps once each.
+1. GTPO, two ``parameter_sync_step`` slices per step, a checkpoint every 2 steps keeping one; SIGTERM to the driver
+   after step 3 (and again while it saves): the run saves the step in flight, ends by itself with exit 85, and
+   ``resume_mode=auto`` continues to step 6. Checked on the way: where Ray placed the two pools, staleness (the
+   standalone pool generates ahead with the weights of the last sync), the estimator's slice (rows and groups per
+   call, two calls per step), the weights reaching the standalone replica at every sync (the bytes each side of the
+   CPU engine counted), ``transfer_queue/`` saved with each checkpoint and gone with its actor, the resumed run's
+   steps once each.
 2. The same trainer with the standalone pool's weight receiver stopped after step 1 (a wedged replica): the next
    sync waits on it, and the watchdog ends the run within ``algorithm.watchdog.weight_sync_s``, naming the
    standalone stage and stopping the standalone pool too.
@@ -24,8 +26,18 @@ import time
 
 import pytest
 
-from gtpo.verl_plugin.checkpoints import TRACKER_FILE
-from tests.e2e_support import RunningRecipe, actor_table, placement, process_ids, read_metrics, run_recipe, tail
+from gtpo.verl_plugin.checkpoints import TRACKER_FILE, CheckpointLayout, incomplete_reasons
+from gtpo.verl_plugin.preemption import EXIT_CODE as PREEMPTED_EXIT
+from tests.e2e_support import (
+    RunningRecipe,
+    RunResult,
+    actor_table,
+    placement,
+    process_ids,
+    read_metrics,
+    run_recipe,
+    tail,
+)
 from tests.test_e2e_trainer import base_overrides
 
 pytestmark = pytest.mark.e2e
@@ -49,7 +61,9 @@ def tiny_assets():
     return build_tiny_assets()
 
 
-def test_separate_async_on_two_nodes_checkpoints_and_resumes(ray_cluster, ray_session, tiny_assets, tmp_path):
+def test_separate_async_on_two_nodes_checkpoints_stops_on_sigterm_and_resumes(
+    ray_cluster, ray_session, tiny_assets, tmp_path
+):
     ckpt = tmp_path / "ckpt"
     metrics_path = tmp_path / "run.metrics.jsonl"
     common = base_overrides(tiny_assets) + [
@@ -57,11 +71,29 @@ def test_separate_async_on_two_nodes_checkpoints_and_resumes(ray_cluster, ray_se
         f"trainer.default_local_dir={ckpt}",
         "trainer.save_freq=2",
         "trainer.max_actor_ckpt_to_keep=1",
+        "trainer.total_training_steps=6",
     ]
     before = actor_table()
-    first = run_recipe(ray_cluster, tmp_path, common + ["trainer.total_training_steps=4"], name="run")
-    assert first.returncode == 0, tail(first.log)
-    assert first.steps() == [1, 2, 3, 4]
+    running = RunningRecipe(ray_cluster, tmp_path, common, name="run", log_env=None)
+    running.wait_until(lambda: len(read_metrics(metrics_path)) >= 3, timeout=600)
+    os.kill(running.proc.pid, signal.SIGTERM)
+    # a second SIGTERM a second later, while the step in flight finishes and saves: it changes nothing
+    time.sleep(1.0)
+    assert running.proc.poll() is None, tail(running.log)
+    os.kill(running.proc.pid, signal.SIGTERM)
+    rc = running.proc.wait(timeout=300)
+    first = RunResult(returncode=rc, log_path=running.log_path, metrics=read_metrics(metrics_path))
+    assert rc == PREEMPTED_EXIT, tail(first.log)
+    stopped = first.steps()[-1]
+    assert first.steps() == list(range(1, stopped + 1)) and 3 <= stopped < 6, first.steps()
+    assert "SIGTERM received: the trainer saves after the step in flight" in first.log
+    assert f"stopped after step {stopped} (SIGTERM to the driver" in first.log, tail(first.log)
+    assert "SIGTERM received again" in first.log
+    # the stop's checkpoint is complete, with the in-flight trajectories; retention kept it alone
+    assert (ckpt / TRACKER_FILE).read_text().strip() == str(stopped)
+    assert incomplete_reasons(ckpt / f"global_step_{stopped}", stopped, CheckpointLayout(async_mode=True)) == []
+    assert (ckpt / f"global_step_{stopped}" / "transfer_queue").is_dir()
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("global_step_")) == [f"global_step_{stopped}"]
 
     # the trainer pool (the FSDP rank) on one node, the standalone pool (its vLLM server) on the other
     placed = placement(before)
@@ -78,21 +110,16 @@ def test_separate_async_on_two_nodes_checkpoints_and_resumes(ray_cluster, ray_se
     # rollout worker received every byte the trainer's rank 0 sent
     sent = [int(n) for n in re.findall(r"cpu_gloo: sent (\d+) bytes", first.log)]
     received = [int(n) for n in re.findall(r"cpu_gloo: received (\d+) bytes", first.log)]
-    assert len(sent) == len(received) >= 5 and set(sent) == set(received) and len(set(sent)) == 1, (sent, received)
+    assert len(sent) == len(received) >= stopped, (sent, received)
+    assert set(sent) == set(received) and len(set(sent)) == 1, (sent, received)
     # the standalone pool generated ahead with the weights of an earlier sync
     assert max(m["data"]["gtpo/trajectory_staleness_max"] for m in first.metrics) >= 1
 
-    # checkpoints of steps 2 and 4 with the stored trajectories; max_actor_ckpt_to_keep=1 kept step 4 only
-    assert (ckpt / TRACKER_FILE).read_text().strip() == "4"
-    assert (ckpt / "global_step_4" / "transfer_queue").is_dir()
-    assert not (ckpt / "global_step_2").exists(), sorted(p.name for p in ckpt.iterdir())
-
     resumed = run_recipe(
-        ray_cluster, tmp_path, common + ["trainer.total_training_steps=6", "trainer.resume_mode=auto"],
-        name="resumed", metrics_name="run",
-    )  # fmt: skip
+        ray_cluster, tmp_path, common + ["trainer.resume_mode=auto"], name="resumed", metrics_name="run"
+    )
     assert resumed.returncode == 0, tail(resumed.log)
-    assert f"resumed from {ckpt / 'global_step_4'} at step 4" in resumed.log, tail(resumed.log)
+    assert f"resumed from {ckpt / f'global_step_{stopped}'} at step {stopped}" in resumed.log, tail(resumed.log)
     assert [r["step"] for r in read_metrics(metrics_path)] == [1, 2, 3, 4, 5, 6]
     # retention held across the resume: the step-6 save removed step 4, trajectories included
     assert (ckpt / TRACKER_FILE).read_text().strip() == "6"

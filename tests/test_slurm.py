@@ -17,17 +17,16 @@ Asserted: the head starts first and every worker joins before the driver runs on
 CPUs Ray is told it has, helper and driver steps get no GPUs; each node's address comes from its interface (loopback
 and old drivers are refused before any Ray step); pyxis creates one named container per node and the status poll
 never creates one; Apptainer and pyxis wrap every step and mount the shared data folder; the preflight runs before
-training; a cluster that never fills up fails at the timeout without starting the driver.
+training; a cluster that never fills up fails at the timeout without starting the driver. The time-limit warning,
+the requeue and the resume run under a real Slurm (tests/test_slurm_preemption.py).
 """
 
 from __future__ import annotations
 
 import os
 import shlex
-import signal
 import subprocess
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -458,30 +457,6 @@ def test_failed_preflight_stops_before_training(tmp_path):
     assert proc.returncode == 3
     ((_, env, _),) = launches(records)
     assert env["PREFLIGHT"] == "1"
-
-
-def test_time_limit_signal_reports_checkpoint_and_requeues(tmp_path):
-    ckpts = tmp_path / "ckpts"
-    ckpts.mkdir()
-    (ckpts / "latest_checkpointed_iteration.txt").write_text("40")
-    wait = tmp_path / "release"
-    env = sbatch_env(tmp_path, FAKE_LAUNCH_WAIT=str(wait), REQUEUE_ON_TIMEOUT="1", CKPTS_DIR=str(ckpts))
-    proc = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    started = Path(f"{wait}.started")
-    deadline = time.monotonic() + 30
-    while not started.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    assert started.exists(), proc.communicate(timeout=30)
-    proc.send_signal(signal.SIGUSR1)
-    deadline = time.monotonic() + 30
-    while "requeue" not in (tmp_path / "calls.log").read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    wait.touch()  # the training step ends afterwards; the script waits for it instead of dying on the signal
-    _, stderr = proc.communicate(timeout=30)
-    assert proc.returncode == 0, stderr[-2000:]
-    assert "latest_checkpointed_iteration.txt: 40" in stderr
-    (requeue,) = [argv(r) for r in read_records(tmp_path) if r[0] == "scontrol" and "requeue" in argv(r)]
-    assert requeue == ["requeue", "4242"]
 
 
 @pytest.mark.parametrize(

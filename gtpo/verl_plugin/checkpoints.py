@@ -360,3 +360,18 @@ def resolve_auto_resume(root: str, layout: CheckpointLayout) -> str | None:
     )
     write_tracker(root, step)
     return folder
+
+
+def prune_for_trainer(trainer_cfg: Any, saved_step: int, layout: CheckpointLayout) -> str | None:
+    """:func:`prune_checkpoints` with the trainer's retention knobs (verl's deprecated
+    ``remove_previous_ckpt_in_save`` keeps 1); a line naming what was removed, or None."""
+    keep_one = trainer_cfg.get("remove_previous_ckpt_in_save", False)
+    keep_actor = 1 if keep_one else trainer_cfg.get("max_actor_ckpt_to_keep", None)
+    keep_critic = 1 if keep_one else trainer_cfg.get("max_critic_ckpt_to_keep", None)
+    removed = prune_checkpoints(trainer_cfg.default_local_dir, saved_step, layout, keep_actor, keep_critic)
+    if not removed:
+        return None
+    return (
+        f"gtpo: removed {len(removed)} older checkpoint folder(s) beyond trainer.max_actor_ckpt_to_keep="
+        f"{keep_actor} (max_critic_ckpt_to_keep={keep_critic}): {', '.join(removed)}"
+    )

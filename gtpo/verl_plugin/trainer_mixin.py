@@ -45,6 +45,7 @@ The mixin is a plain class: it must come first in the bases, before one of verl'
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -70,6 +71,7 @@ from gtpo.verl_plugin import (
 )
 from gtpo.verl_plugin.dynamic_sampling import bound_generation_rounds
 from gtpo.verl_plugin.group_sizes import GroupParams, group_size_metrics
+from gtpo.verl_plugin.preemption_trainer import TrainerStop
 
 # Estimators registered by this recipe that take the extra keyword arguments.
 RECIPE_ESTIMATORS = frozenset({"gtpo", "grpo_s", "gtpo_traj"})
@@ -131,7 +133,25 @@ class GTPOTrainerMixin:
         # After a resume the trackers keep the steps up to the checkpoint's, once each (verl's file logger would
         # truncate its log; TensorBoard would show the killed run's later steps beside the resumed ones).
         self._metric_history = metric_history.MetricHistory.for_trainer(self.config.trainer, self.global_steps)
+        # Stop requests (signals to the driver) and the job's deadline, checked at every step boundary.
+        self._preemption = TrainerStop.for_trainer(self.config.algorithm)
         return super().fit(agent_loop_manager)
+
+    def on_step_begin(self):
+        # Ends the run here, after the stopping step's metrics were logged (raises PreemptedError).
+        self._preemption.before_step(self)
+        super().on_step_begin()
+
+    def on_step_end(self):
+        # Saved for a stop: no weight sync, nothing generates for this run again.
+        if self._preemption.after_step(self):
+            return
+        super().on_step_end()
+
+    def _validate(self):
+        if self.__dict__.get("_preemption") is not None and self._preemption.skip_validation():
+            return {}
+        return super()._validate()
 
     # verl's fit() builds its Tracking and assigns it to self.logger: the hook where the history is applied, before
     # anything is logged.
@@ -156,8 +176,10 @@ class GTPOTrainerMixin:
         # would make the folder mix two sizes.
         checkpoint_state.discard_state(folder)
         checkpoint_world_size.discard_other_world_sizes(folder, self._world_size())
-        super()._save_checkpoint()
-        self._prune_checkpoints()
+        preemption = self.__dict__.get("_preemption")
+        with preemption.timed_save(self) if preemption is not None else contextlib.nullcontext():
+            super()._save_checkpoint()
+            self._prune_checkpoints()
 
     def _checkpoint_layout(self) -> checkpoints.CheckpointLayout:
         return checkpoints.layout_of(self.config, bool(self.use_critic), async_mode=self.trainer_mode != "sync")
@@ -199,18 +221,9 @@ class GTPOTrainerMixin:
     def _prune_checkpoints(self) -> None:
         """After a save: keep ``trainer.max_actor_ckpt_to_keep`` (``max_critic_ckpt_to_keep``) checkpoints on disk,
         counting those of earlier attempts too, which verl's in-process count forgets at each resume."""
-        trainer_cfg = self.config.trainer
-        keep_one = trainer_cfg.get("remove_previous_ckpt_in_save", False)  # deprecated in verl; it then keeps 1
-        keep_actor = 1 if keep_one else trainer_cfg.get("max_actor_ckpt_to_keep", None)
-        keep_critic = 1 if keep_one else trainer_cfg.get("max_critic_ckpt_to_keep", None)
-        removed = checkpoints.prune_checkpoints(
-            trainer_cfg.default_local_dir, self.global_steps, self._checkpoint_layout(), keep_actor, keep_critic
-        )
-        if removed:
-            print(
-                f"gtpo: removed {len(removed)} older checkpoint folder(s) beyond trainer.max_actor_ckpt_to_keep="
-                f"{keep_actor} (max_critic_ckpt_to_keep={keep_critic}): {', '.join(removed)}"
-            )
+        message = checkpoints.prune_for_trainer(self.config.trainer, self.global_steps, self._checkpoint_layout())
+        if message:
+            print(message)
 
     def _compute_metrics(self, batch: KVBatchMeta, metrics, timing_raw, global_steps, epoch):
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)

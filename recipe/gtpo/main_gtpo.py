@@ -12,6 +12,8 @@ the launcher put them, and (3) runs a TaskRunner that imports the plugin itself 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import sys
@@ -24,7 +26,9 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
-from gtpo.verl_plugin.config import merge_module_list
+from gtpo.verl_plugin.config import load_knobs, merge_module_list
+from gtpo.verl_plugin.preemption import EXIT_CODE as PREEMPTED_EXIT
+from gtpo.verl_plugin.preemption import DriverRelay, PreemptedError, PreemptionParams
 
 PLUGIN_MODULE = "gtpo.verl_plugin.register"
 # Exit status of a configuration refused before Ray starts (GTPO_TRACEBACK=1 raises it with its traceback instead).
@@ -33,6 +37,8 @@ CONFIG_ERROR_EXIT = 2
 # writes the logs; on a running cluster it sees the runtime env, not the driver's shell, and verl's relative
 # defaults would put the logs in its node's scratch copy of the working directory.
 LOG_DIR_VARS = ("VERL_FILE_LOGGER_ROOT", "VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_DIR")
+# The job's end for algorithm.preemption.deadline=auto, read by the trainer wherever the TaskRunner runs.
+DEADLINE_VARS = ("SLURM_JOB_ID", "SLURM_JOB_END_TIME")
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +60,12 @@ def add_plugin_to_runtime_env(config: DictConfig) -> None:
 
 
 def forward_log_dirs(config: DictConfig) -> None:
-    """Copy the :data:`LOG_DIR_VARS` set in this process into the Ray runtime env, unless the runtime env sets them."""
+    """Copy the :data:`LOG_DIR_VARS` and :data:`DEADLINE_VARS` set in this process into the Ray runtime env, unless the
+    runtime env sets them."""
     with open_dict(config):
         ray_init = config.ray_kwargs.setdefault("ray_init", {})
         env_vars = ray_init.setdefault("runtime_env", {}).setdefault("env_vars", {})
-        for name in LOG_DIR_VARS:
+        for name in LOG_DIR_VARS + DEADLINE_VARS:
             if os.environ.get(name) and not env_vars.get(name):
                 env_vars[name] = os.environ[name]
 
@@ -119,7 +126,41 @@ def main(config: DictConfig) -> None:
 
         run_dry(config)
         return
-    run_ppo(config, task_runner_class=ray.remote(GTPOTaskRunner))
+    sys.exit(run_preemptible(config))
+
+
+@contextlib.contextmanager
+def handlers_after_ray_init(relay: DriverRelay):
+    """``relay``'s signal handlers installed now and again right after ``ray.init`` (called inside verl's
+    ``run_ppo``), which replaces SIGTERM's handler with one that exits the driver at once."""
+    original = ray.init
+
+    @functools.wraps(original)
+    def init(*args, **kwargs):
+        context = original(*args, **kwargs)
+        relay.install()
+        return context
+
+    relay.install()
+    ray.init = init
+    try:
+        yield relay
+    finally:
+        ray.init = original
+
+
+def run_preemptible(config: DictConfig) -> int:
+    """verl's ``run_ppo`` with the stop signals relayed to the trainer; 0, or :data:`PREEMPTED_EXIT` after the
+    trainer saved and stopped."""
+    params = load_knobs(PreemptionParams, config.algorithm.get("preemption", None), "algorithm.preemption")
+    with handlers_after_ray_init(DriverRelay(params)):
+        try:
+            run_ppo(config, task_runner_class=ray.remote(GTPOTaskRunner))
+        except PreemptedError as err:
+            # Ray hands back the trainer's exception wrapped with its remote traceback; the message is the news
+            print(str(getattr(err, "cause", err)), file=sys.stderr, flush=True)
+            return PREEMPTED_EXIT
+    return 0
 
 
 if __name__ == "__main__":

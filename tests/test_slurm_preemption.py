@@ -1,0 +1,214 @@
+"""scripts/slurm/ray_on_slurm.sbatch under a real Slurm 22.05 (one node on this host: tests/slurm_support.py).
+
+    .venv/bin/python -m pytest -n 0 -q tests/test_slurm_preemption.py
+
+1. A stand-in launch script: the time-limit warning (``scancel --signal=USR1 --batch``, what ``--signal=B:USR1@<s>``
+   sends) reaches the driver's step through the script; the driver exits 85 and the job is requeued, and the
+   requeued job runs to its end. A driver that crashes (exit 1) is not requeued.
+2. End to end (the CPU backend's training, two ranks, ``trainer=colocate_async``, through the 7B launcher): after
+   step 2 the job's time limit is shortened with ``scontrol update`` so that a step and a save no longer fit; the
+   trainer reads the new end from ``squeue``, saves after the step in flight and exits 85; the script requeues the
+   job; the requeued job resumes from that checkpoint and finishes, every step in the metric log once.
+
+A requeued job waits about two minutes before Slurm starts it again (its eligible time); the tests move its start
+time to now to save that wait. The fake-``srun`` harness (tests/test_slurm.py) keeps what one node cannot show.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from gtpo.verl_plugin.checkpoints import TRACKER_FILE
+from tests.e2e_support import read_metrics
+from tests.slurm_support import LocalSlurm, missing_tools
+
+REPO = Path(__file__).resolve().parents[1]
+SBATCH = REPO / "scripts" / "slurm" / "ray_on_slurm.sbatch"
+VENV_BIN = Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv")) / "bin"
+
+STUB_LAUNCH = r"""#!/usr/bin/env bash
+# Stand-in driver: exits 85 on USR1 (as the recipe's driver after its save), FAKE_CRASH=1 exits 1 at once, a requeued
+# run exits 0.
+echo "stub: start restart=${SLURM_RESTART_COUNT:-0} NNODES=${NNODES} PREFLIGHT=${PREFLIGHT}" >> "${STUB_LOG}"
+[[ "${FAKE_CRASH:-0}" == 1 ]] && { echo "stub: crash" >> "${STUB_LOG}"; exit 1; }
+[[ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]] && { echo "stub: resumed, done" >> "${STUB_LOG}"; exit 0; }
+trap 'echo "stub: USR1" >> "${STUB_LOG}"; exit 85' USR1
+touch "${STUB_LOG}.running"
+while true; do sleep 0.2; done
+"""
+
+
+def _interface() -> str | None:
+    """A non-loopback IPv4 interface of this host (the script refuses loopback addresses)."""
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[1] != "lo" and not fields[3].startswith("127."):
+            return fields[1]
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    missing = missing_tools()
+    if missing or os.geteuid() != 0:
+        pytest.skip(f"a local Slurm needs root and {missing or 'its daemons'} (apt-get install slurmctld slurmd ...)")
+    if _interface() is None:
+        pytest.skip("no non-loopback IPv4 interface for Ray to bind")
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), cpus=16)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def sbatch_env(tmp: Path, **extra: str) -> dict[str, str]:
+    from gtpo.cpu.cluster import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_", "PREFLIGHT"))}
+    env.update(
+        PATH=f"{VENV_BIN}{os.pathsep}{env['PATH']}",
+        REPO_DIR=str(REPO),
+        RAY_DATA_HOME=str(tmp / "shared"),
+        MIN_DRIVER_VERSION="0",
+        RAY_NETWORK_INTERFACE=_interface() or "",
+        RAY_PORT=str(free_port()),
+        RAY_DASHBOARD_PORT=str(free_port()),
+        CPUS_PER_NODE="8",
+        DRIVER_CPUS="2",
+        DRIVER_MEM="2G",
+        RUN_PREFLIGHT="0",
+        REQUEUE_ON_TIMEOUT="1",
+        RAY_AUTH_MODE="disabled",
+    )
+    env.update(extra)
+    return env
+
+
+def submit(slurm: LocalSlurm, tmp: Path, env: dict[str, str], *sbatch_args: str, script_args=()) -> str:
+    out = tmp / "job.out"
+    cmd = [
+        "sbatch", "--parsable", "--nodes=1", "--cpus-per-task=8", "--gpus-per-node=0", "--requeue",
+        "--open-mode=append", f"--output={out}", *sbatch_args, str(SBATCH), *script_args,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env={**env, "SLURM_CONF": str(slurm.conf)}, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def restart_now(slurm: LocalSlurm, job_id: str, timeout: float = 120.0) -> None:
+    """Wait until the job is requeued (pending again), then move its start to now (Slurm holds it ~2 minutes)."""
+    slurm.wait_for_state(job_id, {"PENDING"}, timeout)
+    slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def test_the_warning_reaches_the_driver_and_exit_85_requeues_the_job(slurm, tmp_path):
+    stub = tmp_path / "stub_launch.sh"
+    stub.write_text(STUB_LAUNCH)
+    stub_log = tmp_path / "stub.log"
+    env = sbatch_env(tmp_path, LAUNCH_SCRIPT=str(stub), STUB_LOG=str(stub_log))
+    job = submit(slurm, tmp_path, env, "--time=10", "--signal=B:USR1@30")
+    deadline = time.monotonic() + 180
+    while not Path(f"{stub_log}.running").exists():
+        assert time.monotonic() < deadline, _read(tmp_path / "job.out")[-3000:]
+        assert slurm.job(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), _read(tmp_path / "job.out")
+        time.sleep(0.5)
+    # what --signal=B:USR1@<s> does at the time limit: USR1 to the batch script only
+    slurm.run("scancel", "--signal=USR1", "--batch", job)
+    restart_now(slurm, job)
+    final = slurm.wait_for_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 240)
+    output = _read(tmp_path / "job.out")
+    assert final["JobState"] == "COMPLETED" and final["Restarts"] == "1", (final, output[-3000:])
+    assert _read(stub_log).splitlines() == [
+        "stub: start restart=0 NNODES=1 PREFLIGHT=0",
+        "stub: USR1",
+        "stub: start restart=1 NNODES=1 PREFLIGHT=0",
+        "stub: resumed, done",
+    ], output[-3000:]
+    assert "USR1: the time limit is near; the trainer saves after the step in flight (step " in output
+    assert f"REQUEUE_ON_TIMEOUT=1: scontrol requeue {job}" in output
+
+
+def test_a_crashed_driver_is_not_requeued(slurm, tmp_path):
+    stub = tmp_path / "stub_launch.sh"
+    stub.write_text(STUB_LAUNCH)
+    stub_log = tmp_path / "stub.log"
+    env = sbatch_env(tmp_path, LAUNCH_SCRIPT=str(stub), STUB_LOG=str(stub_log), FAKE_CRASH="1")
+    job = submit(slurm, tmp_path, env, "--time=10", "--signal=B:USR1@30")
+    final = slurm.wait_for_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 180)
+    assert final["JobState"] == "FAILED" and final["Restarts"] == "0", (final, _read(tmp_path / "job.out")[-3000:])
+    assert final["ExitCode"] == "1:0"
+    assert "scontrol requeue" not in _read(tmp_path / "job.out")
+
+
+@pytest.mark.e2e
+def test_a_shortened_time_limit_saves_requeues_and_resumes(slurm, ray_cluster, tmp_path):
+    """The CPU trainer at world size two under colocate_async, stopped by its deadline, requeued and resumed."""
+    from gtpo.cpu import env as cpu_env
+    from gtpo.cpu.demo import build_demo_assets
+    from tests.test_e2e_vllm import LAUNCHER, _cpu_args, _launcher_env
+
+    ray_cluster.wait_until_free()  # one trainer at a time on this host
+    assets = build_demo_assets(seed=0)
+    ckpt = tmp_path / "ckpt"
+    metrics_path = tmp_path / "run.metrics.jsonl"
+    env = _launcher_env(tmp_path, assets, {"ALLOW_HOME_PATHS": "1", "CKPTS_DIR": str(ckpt)})
+    env.pop("DRY_RUN")
+    env.update(cpu_env(base=env))
+    env = sbatch_env(tmp_path, **{k: v for k, v in env.items() if k not in ("NNODES", "NGPUS_PER_NODE")})
+    env.update(LAUNCH_SCRIPT=str(LAUNCHER), GPUS_PER_NODE="2", VERL_FILE_LOGGER_PATH=str(metrics_path))
+    total = 5
+    args = [
+        "trainer=colocate_async", *_cpu_args(assets), f"trainer.total_training_steps={total}",
+        "trainer.resume_mode=auto", "trainer.logger=[console,file]",
+        # joining the job's Ray cluster, which the script started
+        "ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null",
+        # a deadline needs room for the longest step, a save (5 s here until one is timed) and this margin
+        "algorithm.preemption.margin_s=150", "algorithm.preemption.save_estimate_s=5",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+    ]  # fmt: skip
+    job = submit(slurm, tmp_path, env, "--time=10", "--signal=B:USR1@30", script_args=args)
+    output_path = tmp_path / "job.out"
+    deadline = time.monotonic() + 600
+    while len(read_metrics(metrics_path)) < 2:
+        state = slurm.job(job).get("JobState")
+        assert state in ("PENDING", "RUNNING", "CONFIGURING") and time.monotonic() < deadline, (
+            state,
+            _read(output_path)[-4000:],
+        )
+        time.sleep(1)
+    # less than a step + a save + margin_s left: the limit becomes the next whole minute after one more
+    elapsed = time.time() - _start_epoch(slurm, job)
+    slurm.run("scontrol", "update", f"JobId={job}", f"TimeLimit={math.ceil(elapsed / 60) + 1}")
+    restart_now(slurm, job, timeout=300)
+    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
+    final = slurm.wait_for_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 900)
+    output = _read(output_path)
+    assert final["JobState"] == "COMPLETED" and final["Restarts"] == "1", (final, output[-4000:])
+
+    # the first run stopped for its deadline, read from squeue, and saved the step it had finished
+    assert "left before the job's end" in output and f"(job end from squeue -j {job} -o %e)" in output, output[-4000:]
+    assert f"REQUEUE_ON_TIMEOUT=1: scontrol requeue {job}" in output
+    saved = int(output.split("stopped after step ")[1].split(" ")[0])
+    assert saved >= 2
+    # the requeued run resumed from it and trained to the end, every step logged once
+    assert f"resumed from {ckpt / f'global_step_{saved}'} at step {saved}" in output, output[-4000:]
+    assert [m["step"] for m in read_metrics(metrics_path)] == list(range(1, total + 1))
+    assert (ckpt / TRACKER_FILE).read_text().strip() in (str(saved), str(total))
+    shutil.rmtree(ckpt, ignore_errors=True)
+
+
+def _start_epoch(slurm: LocalSlurm, job: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(slurm.job(job)["StartTime"]).timestamp()
