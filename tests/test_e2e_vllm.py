@@ -103,7 +103,7 @@ CPU_REPLACED = {
     "actor_rollout_ref.rollout.enforce_eager": "no torch.compile of the tiny model in vLLM",
     "actor_rollout_ref.rollout.dtype": "fp32 like the trainer",
     "actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes": "CPU KV cache size",
-    "actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend": "no busy-waiting worker process on CPU",
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend": "no busy-waiting CPU worker",
     "actor_rollout_ref.actor.use_kl_loss": "no reference model on CPU",
     "algorithm.use_kl_in_reward": "no reference model on CPU",
     "algorithm.watchdog": "CPU stage deadlines",
