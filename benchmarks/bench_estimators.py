@@ -29,9 +29,14 @@ float32, token ids int64) over the copy bandwidth measured at the start of the s
 Sizes: paper A's scale (128 prompts x 16 = 2048 responses of up to 4096 tokens; 6144 with a longer budget) and DAPO's
 (512 x 16 = 8192 responses of up to 20480 tokens).
 
+``--threads 1,2`` (or ``--threads 1 2``) runs every case at each thread count (``torch.set_num_threads`` in the
+workers; the kernels use as many) and ends with one table of each estimator's ratio to ``grpo_vec`` (or ``grpo``) per
+thread count, the figure the recipe's goal is stated in (every estimator <= 1.0x ``grpo_vectorized``).
+
 Usage: .venv/bin/python benchmarks/bench_estimators.py [--quick] [--device cpu|cuda] [--sizes 2048x4096,...]
-       [--cases gtpo_split,grpo_vec] [--repeats N] [--no-write]
-Writes its table into benchmarks/RESULTS.md (section ``estimators-<device>``; other sections are kept).
+       [--cases gtpo_split,grpo_vec] [--repeats N] [--threads 1,2] [--no-write]
+Writes its tables into benchmarks/RESULTS.md (section ``estimators-<device>[-t<threads>]`` and, with several thread
+counts, ``estimators-<device>-ratios``; other sections are kept).
 """
 
 from __future__ import annotations
@@ -248,7 +253,7 @@ def input_bytes(case: str, b: int, length: int) -> int:
     return per * b * length
 
 
-def run_case(case, b, length, args) -> dict:
+def run_case(case, b, length, args, threads=None) -> dict:
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -260,8 +265,8 @@ def run_case(case, b, length, args) -> dict:
         "--repeats",
         str(args.repeats),
     ]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
+    if threads:
+        cmd += ["--threads", str(threads)]
     if args.device == "cpu":
         need_gb = (input_bytes(case, b, length) + 8 * 4 * b * length) / 2**30
         avail = C.mem_available_gb()
@@ -288,7 +293,7 @@ def main() -> int:
     p.add_argument("--sizes", default=None, help="comma list of BxL (default: 256x1024 ... 8192x20480)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {list(CASES)}")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per case (default 5, --quick 3)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in the workers")
+    p.add_argument("--threads", nargs="+", default=None, help="torch.set_num_threads: one or more counts")
     p.add_argument("--case-timeout", type=float, default=900.0)
     p.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
     p.add_argument("--worker", nargs=2, metavar=("CASE", "BxL"), help=argparse.SUPPRESS)
@@ -296,7 +301,8 @@ def main() -> int:
 
     if args.worker:
         ((b, length),) = parse_sizes(args.worker[1])
-        res = worker(args.worker[0], b, length, args.device, args.repeats or 5, args.threads)
+        threads = int(args.threads[0]) if args.threads else None
+        res = worker(args.worker[0], b, length, args.device, args.repeats or 5, threads)
         print(json.dumps(res))
         return 0
 
@@ -311,20 +317,37 @@ def main() -> int:
     for c in cases:
         if c not in CASES:
             p.error(f"unknown case {c!r}; choose from {list(CASES)}")
+    thread_counts = [int(t) for part in (args.threads or []) for t in part.split(",") if t] or [None]
     bw = copy_bandwidth(args.device)
     print(f"copy bandwidth ({args.device}): {bw / 1e9:.1f} GB/s (read + write bytes)")
+    by_threads = {threads: measure(cases, sizes, args, bw, threads) for threads in thread_counts}
+    for threads, rows in by_threads.items():
+        table = result_table(rows)
+        print(f"\n{threads or 'default'} thread(s)\n{table}")
+        if not args.no_write:
+            write_results(args, cases, bw, table, threads)
+    if len(thread_counts) > 1:
+        ratios = ratio_table(by_threads)
+        print(f"\nratio to grpo_vec (grpo) per thread count\n{ratios}")
+        if not args.no_write:
+            write_results(args, cases, bw, ratios, None, suffix="-ratios", title=" ratios per thread count")
+    return 0
+
+
+def measure(cases, sizes, args, bw, threads) -> list[dict]:
+    """Every (size, case) at one thread count, each in its own process; one row dict each."""
     rows = []
     for b, length in sizes:
         results = {}
         for case in cases:
-            r = run_case(case, b, length, args)
+            r = run_case(case, b, length, args, threads)
             results[case] = r
             floor = CASES[case][1] * b * length / bw
             if "skip" in r:
-                print(f"{b}x{length} {case:11s} skipped: {r['skip']}", flush=True)
+                print(f"t{threads} {b}x{length} {case:11s} skipped: {r['skip']}", flush=True)
             else:
                 print(
-                    f"{b}x{length} {case:11s} {fmt_t(r['median_s']):>10s}  peak +{r['peak_mb']:.0f} MB  "
+                    f"t{threads} {b}x{length} {case:11s} {fmt_t(r['median_s']):>10s}  peak +{r['peak_mb']:.0f} MB  "
                     f"x floor {r['median_s'] / floor:.1f}",
                     flush=True,
                 )
@@ -337,7 +360,10 @@ def main() -> int:
                 if "skip" not in r and rr and "skip" not in rr:
                     row[f"x_{ref}"] = r["median_s"] / rr["median_s"]
             rows.append(row)
+    return rows
 
+
+def result_table(rows: list[dict]) -> str:
     head = "| B x L | estimator | median | peak MB | x grpo | x grpo_vec | floor | x floor |"
     lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -350,23 +376,39 @@ def main() -> int:
             f"| {r['size']} | {r['case']} | {fmt_t(r['median_s'])} | {r['peak_mb']:.0f} | {xg} | {xv} | "
             f"{fmt_t(r['floor_s'])} | {r['median_s'] / r['floor_s']:.1f} |"
         )
-    table = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def ratio_table(by_threads: dict) -> str:
+    """One row per (size, estimator): its ratio to grpo_vec (else grpo) and its x floor at each thread count."""
+    counts = list(by_threads)
+    head = "| B x L | estimator | " + " | ".join(f"x grpo_vec t{t} | x floor t{t}" for t in counts) + " |"
+    lines = [head, "|---|---|" + "---:|---:|" * len(counts)]
+    first = by_threads[counts[0]]
+    for k, row in enumerate(first):
+        cells = []
+        for t in counts:
+            r = by_threads[t][k]
+            ref = r.get("x_grpo_vec", r.get("x_grpo"))
+            cells.append(f"{ref:.2f}" if ref is not None else "-")
+            cells.append(f"{r['median_s'] / r['floor_s']:.1f}" if "skip" not in r else "-")
+        lines.append(f"| {row['size']} | {row['case']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(args, cases, bw, table, threads, suffix="", title="") -> None:
     legend = "\n".join(f"- `{k}`: {v[0]}; floor bytes = {v[1]} x B x L" for k, v in CASES.items() if k in cases)
     body = (
         f"### {C.stamp()}\n\n`{C.command_line()}`  \nMachine: {C.machine(args.device)}  \n"
         f"Copy bandwidth (read + write): {bw / 1e9:.1f} GB/s; {args.repeats} timed runs per case (median), "
         f"each case in its own process; peak MB = RSS high-water above the resident inputs.\n\n{legend}\n\n{table}\n"
     )
-    print()
-    print(table)
-    if not args.no_write:
-        name = "estimators-cuda" if args.device.startswith("cuda") else "estimators-cpu"
-        title = "Advantage estimators (" + ("CUDA" if name.endswith("cuda") else "CPU") + ")"
-        if args.threads:
-            name += f"-t{args.threads}"
-            title = title[:-1] + f", {args.threads} torch thread(s))"
-        C.write_section(name, title, body)
-    return 0
+    name = "estimators-cuda" if args.device.startswith("cuda") else "estimators-cpu"
+    label = "Advantage estimators (" + ("CUDA" if name.endswith("cuda") else "CPU") + ")"
+    if threads:
+        name += f"-t{threads}"
+        label = label[:-1] + f", {threads} torch thread(s))"
+    C.write_section(name + suffix, label[:-1] + title + ")" if title else label, body)
 
 
 if __name__ == "__main__":

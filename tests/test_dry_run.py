@@ -59,7 +59,7 @@ def test_presets_pass(compose, capsys, size):
 def test_batch_plan_numbers(compose, size, scale, expected):
     from omegaconf import OmegaConf
 
-    from gtpo.verl_plugin.dry_run import batch_plan
+    from gtpo.verl_plugin.batch_plan import batch_plan
 
     cfg = compose(f"model=qwen2.5_{size}", f"scale={scale}")
     OmegaConf.resolve(cfg)

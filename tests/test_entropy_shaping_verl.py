@@ -18,9 +18,10 @@ import torch
 from omegaconf import OmegaConf
 
 import gtpo.verl_plugin.entropy_shaping as plugin
-from gtpo.algorithms.entropy_shaping import GRPOSParams, GTPOParams, grpo_s_advantages, gtpo_token_advantages
+from gtpo.algorithms.entropy_shaping import grpo_s_advantages, gtpo_token_advantages
 from gtpo.algorithms.group_ops import group_ids
 from gtpo.algorithms.length_penalty import grop_penalty
+from gtpo.algorithms.shaping_params import GRPOSParams, GTPOParams
 
 REPO = Path(__file__).resolve().parents[1]
 

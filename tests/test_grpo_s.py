@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from gtpo.algorithms.entropy_shaping import GRPOSParams, grpo_s_advantages
+from gtpo.algorithms.entropy_shaping import grpo_s_advantages
 from gtpo.algorithms.group_ops import group_ids
 from gtpo.algorithms.grpo_s import grpo_s_sequence_rewards, sequence_entropy
 from gtpo.algorithms.losses import grpo_s_loss_matrix, sequence_ratio
+from gtpo.algorithms.shaping_params import GRPOSParams
 
 
 def _joint(**kwargs) -> GRPOSParams:
@@ -490,6 +491,35 @@ def test_slightly_negative_entropy_counts_as_zero_in_the_sequence_entropy():
     a_zero, d_zero = grpo_s_advantages(ent_zero, mask, r, gid, ng)
     assert torch.equal(a_neg, a_zero)
     assert d_neg["seq_entropy_correct_mean"] == d_zero["seq_entropy_correct_mean"]
+
+
+@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("correct", [True, False])
+def test_kernel_refuses_a_half_and_clamps_a_slightly_negative_entropy(holes, correct):
+    """On a valid token of a dense (or holed) row: a mask value 0.5 is refused as the definition refuses it, and an
+    entropy within neg_entropy_tol below 0 enters Hbar as 0 exactly as in the definition."""
+    from gtpo.algorithms.grpo_s import grpo_s_reference
+
+    lengths, rewards, groups = _random_groups(41, reward_kind="pm1")
+    ent, mask, r, gid, ng = _batch(lengths, rewards, groups, seed=41)
+    if holes:
+        mask = mask * (torch.rand(mask.shape, generator=torch.Generator().manual_seed(5)) > 0.2)
+    rows = [i for i in range(len(r)) if bool(r[i] > 0) == correct and int(mask[i].sum()) >= 3]
+    dense = [i for i in rows if int(mask[i].sum()) == int(mask[i].nonzero().max()) + 1]
+    row = ([i for i in rows if i not in dense] if holes else dense)[0]
+    col = int(mask[row].nonzero()[1])
+    half = mask.clone()
+    half[row, col] = 0.5
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        grpo_s_advantages(ent, half, r, gid, ng)
+    for value in (-0.05, -1e-7):
+        bad = ent.clone()
+        bad[row, col] = value
+        adv, diag = grpo_s_advantages(bad, mask, r, gid, ng)
+        ref, ref_diag = grpo_s_reference(bad, mask, r, gid, ng)
+        torch.testing.assert_close(adv, ref, rtol=1e-6, atol=1e-6)
+        for key, ref_value in ref_diag.items():
+            assert diag[key] == pytest.approx(ref_value, rel=1e-9, abs=1e-12), key
 
 
 def test_kernel_falls_back_to_the_definition(monkeypatch):

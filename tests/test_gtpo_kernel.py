@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from gtpo.algorithms import kernel_support
-from gtpo.algorithms.entropy_shaping import GTPOParams, gtpo_token_advantages
+from gtpo.algorithms.entropy_shaping import gtpo_token_advantages
 from gtpo.algorithms.gtpo_token import gtpo_shaped_rewards, gtpo_token_reference
+from gtpo.algorithms.shaping_params import GTPOParams
 from tests.conftest import REPO_ROOT
 
 
@@ -209,6 +210,52 @@ def test_bad_values_raise_the_definitions_messages():
             gtpo_token_advantages(bad, mask, rewards, gid, groups)
     with pytest.raises(ValueError, match="only 0 and 1"):
         gtpo_token_advantages(entropy, mask * 2, rewards, gid, groups)
+
+
+def _valid_token(mask, rewards, correct: bool, dense: bool):
+    """(row, column) of a valid token in the middle of a row of the given polarity, dense or with holes."""
+    for row in range(mask.shape[0]):
+        m = mask[row].bool()
+        n, last = int(m.sum()), int(m.nonzero().max()) if m.any() else -1
+        if (rewards[row] > 0) == correct and n >= 3 and (n == last + 1) == dense:
+            return row, int(m.nonzero()[n // 2])
+    raise AssertionError("no such row")  # pragma: no cover
+
+
+@pytest.mark.parametrize("weight_scope, norm_scope", [("batch", "batch"), ("group", "group"), ("group", "batch")])
+@pytest.mark.parametrize("dense", [True, False])
+@pytest.mark.parametrize("correct", [True, False])
+def test_a_half_on_a_valid_token_is_refused(weight_scope, norm_scope, dense, correct):
+    """A float mask holding 0.5 where it is 1 is refused as the definition refuses it (not read as valid)."""
+    entropy, mask, rewards, gid, groups, _, _ = random_batch(4, groups=12, holes=not dense)
+    row, col = _valid_token(mask, rewards, correct, dense)
+    bad = mask.clone()
+    bad[row, col] = 0.5
+    params = GTPOParams(weight_scope=weight_scope, norm_scope=norm_scope)
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        gtpo_token_advantages(entropy, bad, rewards, gid, groups, params)
+
+
+@pytest.mark.parametrize("weight_scope, norm_scope", [("batch", "batch"), ("group", "group"), ("group", "batch")])
+@pytest.mark.parametrize("dense", [True, False])
+@pytest.mark.parametrize("correct", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_slightly_negative_entropy_is_clamped(monkeypatch, weight_scope, norm_scope, dense, correct, threads):
+    """An entropy in [-neg_entropy_tol, 0) is 0 in the weights (Eq. 3 / Eq. 5), as in the definition: on an
+    incorrect token an unclamped value would give a 1/H weight that is huge and of either sign."""
+    entropy, mask, rewards, gid, groups, _, _ = random_batch(4, groups=40, holes=not dense)
+    row, col = _valid_token(mask, rewards, correct, dense)
+    for value in (-0.05, -1e-7):
+        bad = entropy.clone()
+        bad[row, col] = value
+        params = GTPOParams(weight_scope=weight_scope, norm_scope=norm_scope)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        kernel = gtpo_token_advantages(bad, mask, rewards, gid, groups, params)
+        zero = entropy.clone()
+        zero[row, col] = 0.0
+        assert_same(kernel, gtpo_token_reference(bad, mask, rewards, gid, groups, params))
+        # the same advantages as an exact 0 (only the raw entropy means differ)
+        torch.testing.assert_close(kernel[0], gtpo_token_advantages(zero, mask, rewards, gid, groups, params)[0])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from gtpo.algorithms.entropy_shaping import GTPOParams, gtpo_token_advantages
+from gtpo.algorithms.entropy_shaping import gtpo_token_advantages
 from gtpo.algorithms.group_ops import group_ids
 from gtpo.algorithms.gtpo_token import active_counts, entropy_shares, gtpo_shaped_rewards
+from gtpo.algorithms.shaping_params import GTPOParams
 
 # ---------------------------------------------------------------------------------------------------------------------
 # helpers

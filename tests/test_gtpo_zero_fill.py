@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
-from gtpo.algorithms.entropy_shaping import GTPOParams, gtpo_token_advantages
+from gtpo.algorithms.entropy_shaping import gtpo_token_advantages
 from gtpo.algorithms.gtpo_token import gtpo_shaped_rewards, gtpo_token_reference
+from gtpo.algorithms.shaping_params import GTPOParams
 from gtpo.algorithms.trajectory import conflict_weights
 from tests.test_gtpo_token import _batch, _loop_reference, _random_batch
 

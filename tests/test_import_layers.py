@@ -111,3 +111,78 @@ def test_importing_the_picture_layer_loads_no_verl_adapter():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _direct_arrows(module: str) -> set[str]:
+    """The modules of ``gtpo`` that ``module`` imports (``from a import b``: ``a.b`` if a module, else ``a``)."""
+    arrows = set()
+    for name in _imported_names(module):
+        while name and name not in MODULES:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            arrows.add(name)
+    return arrows
+
+
+def import_circles() -> list[list[str]]:
+    """Every set of modules that import each other, directly or around a circle (Tarjan's strongly connected
+    components of the import graph; lazy imports count, the parent packages an import runs do not)."""
+    graph = {m: _direct_arrows(m) for m in MODULES}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(start: str) -> None:  # iterative, so a deep chain cannot reach the recursion limit
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                part = []
+                while True:
+                    top = stack.pop()
+                    part.append(top)
+                    if top == node:
+                        break
+                if len(part) > 1:
+                    circles.append(sorted(part))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_no_import_circle():
+    """No module of ``gtpo`` reaches itself through its imports: a reader can take the modules in one order."""
+    assert import_circles() == []
+
+
+def test_the_circle_check_sees_a_circle(monkeypatch):
+    arrows = {"gtpo.a": {"gtpo.b"}, "gtpo.b": {"gtpo.c"}, "gtpo.c": {"gtpo.a"}, "gtpo.d": {"gtpo.a"}}
+    monkeypatch.setattr(sys.modules[__name__], "MODULES", dict.fromkeys(arrows, PACKAGE))
+    monkeypatch.setattr(sys.modules[__name__], "_direct_arrows", arrows.__getitem__)
+    assert import_circles() == [["gtpo.a", "gtpo.b", "gtpo.c"]]
+
+
+MAX_LINES = 400
+
+
+def test_no_module_over_400_lines():
+    """Every module of ``gtpo`` fits in one sitting: split by what a reader looks for, not by count."""
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert long == {}

@@ -38,8 +38,10 @@ def _batch(rows=512, length=300, seed=0):
 def _run_all(entropy, mask, rewards, gid, ng, responses):
     """The three estimators through their kernels; returns the advantages and the thread counts used."""
     from gtpo.algorithms import kernel_support
-    from gtpo.algorithms.entropy_shaping import GTPOParams, grpo_s_advantages, gtpo_token_advantages
-    from gtpo.algorithms.trajectory import GTPOTrajParams, gtpo_traj_advantages
+    from gtpo.algorithms.entropy_shaping import grpo_s_advantages, gtpo_token_advantages
+    from gtpo.algorithms.shaping_params import GTPOParams
+    from gtpo.algorithms.trajectory import gtpo_traj_advantages
+    from gtpo.algorithms.trajectory_params import GTPOTrajParams
 
     gtpo, _ = gtpo_token_advantages(entropy, mask, rewards, gid, ng, GTPOParams(conflict_mask=True), None, responses)
     grpo_s, _ = grpo_s_advantages(entropy, mask, rewards, gid, ng)
@@ -87,10 +89,11 @@ def runner_cls(ray_session):
 
 
 def _expected(batch):
-    from gtpo.algorithms.entropy_shaping import GTPOParams
     from gtpo.algorithms.grpo_s import grpo_s_reference
     from gtpo.algorithms.gtpo_token import gtpo_token_reference
-    from gtpo.algorithms.trajectory import GTPOTrajParams, centred_advantages, gtpo_traj_reference
+    from gtpo.algorithms.shaping_params import GTPOParams
+    from gtpo.algorithms.trajectory import centred_advantages, gtpo_traj_reference
+    from gtpo.algorithms.trajectory_params import GTPOTrajParams
 
     entropy, mask, rewards, gid, ng, responses = batch
     gtpo, _ = gtpo_token_reference(entropy, mask, rewards, gid, ng, GTPOParams(conflict_mask=True), None, responses)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from gtpo.algorithms.conflict_tokens import conflict_counts, conflict_weights
-from gtpo.algorithms.trajectory import LN2, GTPOTrajParams, centred_advantages, entropy_filter, gtpo_traj_advantages
+from gtpo.algorithms.trajectory import centred_advantages, entropy_filter, gtpo_traj_advantages
+from gtpo.algorithms.trajectory_params import LN2, GTPOTrajParams
 
 A, B, C, D, X = 11, 12, 13, 14, 15
 

@@ -16,16 +16,17 @@ evaluates where the kernel cannot run (tensors not on the CPU, numba missing or 
   responses; ``"joint"`` whitens the signed r^ (the recipe's earlier reading). Both reduce to verl's GRPO at
   ``beta2 = 0`` (A2-T2). The loss (Eq. 10, 11) is :mod:`gtpo.algorithms.losses`.
 
-Choices where the paper is silent are listed in :mod:`gtpo.algorithms.entropy_shaping` (std convention, eps,
-zero-variance rule, negative base, empty responses, single-response groups).
+Choices where the paper is silent (the deviations) are listed in :mod:`gtpo.algorithms.shaping_params` (std
+convention, eps, zero-variance rule, negative base, empty responses, single-response groups).
 """
 
 from __future__ import annotations
 
 import torch
 
-from gtpo.algorithms.entropy_shaping import GRPOSParams, shaping_bases
 from gtpo.algorithms.group_ops import group_mean_std, segment_sum
+from gtpo.algorithms.shaping_inputs import shaping_bases
+from gtpo.algorithms.shaping_params import GRPOSParams
 
 __all__ = ["sequence_entropy", "grpo_s_sequence_rewards", "grpo_s_reference"]
 

@@ -18,8 +18,9 @@ counts run: ``"batch"`` (paper §4, "compares entropy across different problems"
 Eq. 6: ``A = (x - mean) / (std + eps)`` over the whitening set of each token; the sets of ``norm_mode`` (``zero_fill``:
 the r~+ field, 0 on incorrect tokens, and the r~- field, 0 on correct ones, each over all valid tokens of the scope;
 ``joint``: all signed shaped rewards of the scope; ``split``: each polarity's own tokens) and of ``norm_scope``
-(``batch`` or ``group``). The knobs and every choice where the paper is silent are in
-:mod:`gtpo.algorithms.entropy_shaping`.
+(``batch`` or ``group``). The knobs and every choice where the paper is silent (the deviations: eps guards,
+zero-variance rule, std convention, negative base, clamped negative entropies) are in
+:mod:`gtpo.algorithms.shaping_params`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ import math
 
 import torch
 
-from gtpo.algorithms.entropy_shaping import GTPOParams, shaping_bases
 from gtpo.algorithms.group_ops import masked_group_mean_std, segment_sum
+from gtpo.algorithms.shaping_inputs import shaping_bases
+from gtpo.algorithms.shaping_params import GTPOParams
 
 __all__ = [
     "polarity_segments",

@@ -15,10 +15,12 @@ calls the kernel for CPU tensors and the definition otherwise. This module decid
 - :class:`compile_timer` measures the time spent compiling (or loading from the cache) during one call; the
   estimators report it as ``<estimator>/kernel_compile_s`` on the call that paid it (the trainer's first step).
 - Threads: a kernel runs on ``torch.get_num_threads()`` threads (1 inside a Ray actor, which gets
-  ``OMP_NUM_THREADS=1``), as plain Python threads each running a GIL-free (``nogil``) serial kernel on the row
-  ranges it takes from a queue (four per thread). numba's own threading layer (OpenMP / TBB / workqueue) is never
-  started, so nothing competes with torch's OpenMP pool, nothing stays alive between calls and nothing can
-  deadlock across a fork.
+  ``OMP_NUM_THREADS=1``), as plain Python threads each running a GIL-free (``nogil``) serial kernel on contiguous
+  blocks of rows (:func:`run_blocks`: four per thread, balanced by the tokens each row holds where they are known,
+  taken from a queue), each thread with its own partial sums, reduced once. numba's own threading layer
+  (OpenMP / TBB / workqueue) is never started, so nothing competes with torch's OpenMP pool, nothing stays alive
+  between calls and nothing can deadlock across a fork. The group scopes split whole groups, four shares per
+  thread taken from a queue (:func:`row_shares`).
 - Outputs: :func:`zeroed_output` allocates the ``[B, L]`` float32 outputs as fresh anonymous memory (zero-filled by
   the OS) advised for transparent huge pages: first touching 2 MB pages instead of 4 KB ones removes most of the
   page-fault time of writing a new ``[B, L]`` tensor, and the kernels never write the zeros of right padding.
@@ -30,6 +32,7 @@ import importlib
 import mmap
 import os
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,8 +41,8 @@ from types import ModuleType
 import numpy as np
 import torch
 
-__all__ = ["load_kernel", "kernel_failed", "compile_timer", "num_threads", "run_threads", "row_shares",
-           "zeroed_output", "as_numpy_mask", "JIT_OPTIONS"]  # fmt: skip
+__all__ = ["load_kernel", "kernel_failed", "compile_timer", "num_threads", "run_threads", "row_shares", "blocks",
+           "run_blocks", "zeroed_output", "as_numpy_mask", "JIT_OPTIONS"]  # fmt: skip
 
 # Options of every njit kernel: cached on disk, GIL released, numpy's error model (no Python division-by-zero check,
 # which would stop LLVM from vectorising the loops) and the fast-math flags that allow reordering sums; never
@@ -157,6 +160,54 @@ def run_threads(fn: Callable, jobs: Sequence[tuple]) -> list:
         return [fn(*job) for job in jobs]
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(lambda job: fn(*job), jobs))
+
+
+def blocks(rows: int, parts: int, tokens: np.ndarray | None = None) -> list[tuple[int, int]]:
+    """``parts`` contiguous ``[start, stop)`` blocks of rows covering ``range(rows)``, in order.
+
+    With ``tokens`` (``[rows]`` valid counts) the blocks hold about equal numbers of tokens plus a fixed cost per
+    row (the mask is read whole); without, equal numbers of rows.
+    """
+    parts = max(1, min(parts, rows))
+    if parts == 1:
+        return [(0, rows)]
+    if tokens is None:
+        bounds = np.linspace(0, rows, parts + 1).round().astype(np.int64)
+    else:
+        work = np.cumsum(np.asarray(tokens, dtype=np.float64) + 64.0)
+        bounds = np.concatenate([[0], np.searchsorted(work, work[-1] * np.arange(1, parts) / parts), [rows]])
+    return [(int(bounds[k]), int(bounds[k + 1])) for k in range(parts)]
+
+
+def run_blocks(fn: Callable, rows: int, threads: int, args: Callable, tokens: np.ndarray | None = None) -> None:
+    """``fn(*args(lo, hi, w))`` over every block of :func:`blocks` (four per thread, balanced by ``tokens``).
+
+    ``threads`` workers (the calling thread is worker 0) take the blocks in order from a shared queue, so a worker
+    the OS deschedules does not hold back the others' rows; ``w`` is the worker's index, for the partial sums it
+    owns (one set per worker, reduced once by the caller, never one per block or per position). ``fn`` releases the
+    GIL. An exception in any worker is raised here.
+    """
+    shares = blocks(rows, 1 if threads <= 1 else 4 * threads, tokens)
+    workers = max(1, min(threads, len(shares)))
+    queue = iter(shares)
+    lock = threading.Lock()
+
+    def work(w: int) -> None:
+        while True:
+            with lock:
+                share = next(queue, None)
+            if share is None:
+                return
+            fn(*args(share[0], share[1], w))
+
+    if workers == 1:
+        work(0)
+        return
+    with ThreadPoolExecutor(max_workers=workers - 1) as pool:
+        rest = [pool.submit(work, w) for w in range(1, workers)]
+        work(0)
+        for f in rest:
+            f.result()
 
 
 def zeroed_output(rows: int, cols: int) -> torch.Tensor:

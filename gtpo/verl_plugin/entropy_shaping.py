@@ -29,10 +29,11 @@ import numpy as np
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_policy_loss
 
-from gtpo.algorithms.entropy_shaping import GRPOSParams, GTPOParams, grpo_s_advantages, gtpo_token_advantages
+from gtpo.algorithms.entropy_shaping import grpo_s_advantages, gtpo_token_advantages
 from gtpo.algorithms.group_ops import group_ids
 from gtpo.algorithms.length_penalty import GROPParams, grop_penalty
 from gtpo.algorithms.losses import grpo_s_loss_matrix
+from gtpo.algorithms.shaping_params import GRPOSParams, GTPOParams
 from gtpo.verl_plugin.config import load_knobs
 
 __all__ = [

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from gtpo.algorithms.group_ops import group_ids
-from gtpo.algorithms.trajectory import GTPOTrajParams, gtpo_traj_advantages
+from gtpo.algorithms.trajectory import gtpo_traj_advantages
+from gtpo.algorithms.trajectory_params import GTPOTrajParams
 from gtpo.verl_plugin.config import load_knobs
 
 __all__ = ["compute_gtpo_traj_advantage", "current_h_ini", "reset_h_ini", "set_h_ini", "load_params"]

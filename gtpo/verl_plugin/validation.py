@@ -12,13 +12,14 @@ from omegaconf import DictConfig, OmegaConf
 # algorithm.<block> -> (module, params dataclass). Every block is parsed even when its estimator is not selected,
 # so a typo in any knob fails at startup instead of being silently ignored.
 KNOB_BLOCKS: dict[str, tuple[str, str]] = {
-    "gtpo": ("gtpo.algorithms.entropy_shaping", "GTPOParams"),
-    "grpo_s": ("gtpo.algorithms.entropy_shaping", "GRPOSParams"),
+    "gtpo": ("gtpo.algorithms.shaping_params", "GTPOParams"),
+    "grpo_s": ("gtpo.algorithms.shaping_params", "GRPOSParams"),
     "grop": ("gtpo.algorithms.length_penalty", "GROPParams"),
-    "gtpo_traj": ("gtpo.algorithms.trajectory", "GTPOTrajParams"),
+    "gtpo_traj": ("gtpo.algorithms.trajectory_params", "GTPOTrajParams"),
     "forking": ("gtpo.verl_plugin.forking", "ForkingParams"),
     "watchdog": ("gtpo.verl_plugin.watchdog", "WatchdogParams"),
     "groups": ("gtpo.verl_plugin.group_sizes", "GroupParams"),
+    "preemption": ("gtpo.verl_plugin.preemption", "PreemptionParams"),
 }
 
 # GROP (paper A, App. D) is applied inside these estimators, to the sequence reward before shaping.

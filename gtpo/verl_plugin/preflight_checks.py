@@ -1,0 +1,184 @@
+"""Preflight checks 1-8 (:mod:`gtpo.verl_plugin.preflight`): what the composed config, the data, the model and this
+machine say, each a short function returning its ``ok`` line or raising :class:`PreflightError`.
+
+``config`` (the recipe's validation and the whole dry run), ``overlong buffer``, ``train data`` / ``val data``,
+``run length``, ``model``, ``trackers`` (and the ``warn`` lines of relative log folders). The checkpoint cadence and
+folder are two lines of :func:`gtpo.verl_plugin.preflight.run_preflight` itself; the cluster's checks (9-12) are
+:mod:`gtpo.verl_plugin.preflight_cluster`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["PreflightError", "as_list", "check_config", "check_model", "check_overlong", "check_parquet",
+           "check_run_length", "check_trackers", "log_dir_warnings", "parquet_rows"]  # fmt: skip
+
+
+class PreflightError(Exception):
+    """A failed check: ``item`` names it, the message says what is wrong and with which value."""
+
+    def __init__(self, item: str, message: str):
+        super().__init__(f"{item}: {message}")
+        self.item = item
+
+
+def as_list(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]
+
+
+def check_config(cfg: DictConfig, env: dict[str, str]) -> str:
+    from gtpo.verl_plugin.async_checks import check_checkpoint_engine
+    from gtpo.verl_plugin.dry_run import run_dry
+    from gtpo.verl_plugin.startup_checks import check_cpu_backend
+    from gtpo.verl_plugin.validation import validate_recipe_config
+
+    try:
+        validate_recipe_config(cfg)
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            run_dry(cfg)
+        check_checkpoint_engine(cfg)
+        check_cpu_backend(cfg, env)
+    except ValueError as err:
+        raise PreflightError("config", str(err)) from None
+    summary = [line for line in out.getvalue().splitlines() if line.startswith("[dry run] resources")]
+    return summary[0].removeprefix("[dry run] resources: ") if summary else "dry run passed"
+
+
+def check_overlong(cfg: DictConfig) -> str:
+    from gtpo.verl_plugin.validation import check_overlong_shaping
+
+    buffer = OmegaConf.select(cfg, "reward.reward_kwargs.overlong_buffer_cfg")
+    if not buffer or not buffer.get("enable", False):
+        return "soft overlong punishment off"
+    try:
+        check_overlong_shaping(cfg)
+    except ValueError as err:
+        raise PreflightError("overlong buffer", str(err)) from None
+    return f"len={buffer.get('len')} < max_resp_len={OmegaConf.select(cfg, 'reward.reward_kwargs.max_resp_len')}"
+
+
+def parquet_rows(files: list[str]) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(path).metadata.num_rows for path in files)
+
+
+def check_run_length(cfg: DictConfig, rows: int) -> str:
+    """verl runs min(total_epochs x (rows // train_batch_size), total_training_steps) steps."""
+    batch, epochs = int(cfg.data.train_batch_size), int(cfg.trainer.total_epochs)
+    steps = cfg.trainer.get("total_training_steps", None)
+    cap = int(cfg.data.get("train_max_samples", -1) or -1)
+    rows = min(rows, cap) if cap > 0 else rows
+    per_epoch = rows // batch
+    if per_epoch == 0:
+        raise PreflightError(
+            "run length", f"data.train_files hold {rows} prompts < data.train_batch_size={batch}: no training step"
+        )
+    if steps is None:
+        return f"trainer.total_epochs={epochs} x {per_epoch} steps per epoch = {epochs * per_epoch} steps"
+    if epochs * per_epoch < int(steps):
+        raise PreflightError(
+            "run length",
+            f"trainer.total_training_steps={steps} but trainer.total_epochs={epochs} x {rows} // {batch} = "
+            f"{epochs * per_epoch} steps: verl stops at the first of the two, and without the last step's checkpoint "
+            f"and validation; raise trainer.total_epochs to at least {-(-int(steps) // per_epoch)} (or drop the "
+            "override)",
+        )
+    return f"trainer.total_training_steps={steps} ({per_epoch} steps per epoch, total_epochs={epochs})"
+
+
+def check_parquet(item: str, key: str, files: list[str], prompt_key: str) -> str:
+    import pyarrow.parquet as pq
+
+    if not files:
+        raise PreflightError(item, f"{key} is empty")
+    rows = 0
+    for path in files:
+        if not Path(path).is_file():
+            raise PreflightError(item, f"{key}: {path} does not exist on this node")
+        try:
+            parquet = pq.ParquetFile(path)
+        except Exception as err:  # pyarrow raises ArrowInvalid, OSError, ...
+            raise PreflightError(item, f"{key}: {path} is not a readable parquet file ({err})") from None
+        if prompt_key not in parquet.schema_arrow.names:
+            raise PreflightError(item, f"{key}: {path} has no column data.prompt_key={prompt_key!r}")
+        if parquet.metadata.num_rows == 0:
+            raise PreflightError(item, f"{key}: {path} has no rows")
+        rows += parquet.metadata.num_rows
+    return f"{len(files)} file(s), {rows} rows"
+
+
+def check_model(cfg: DictConfig) -> str:
+    path = Path(str(cfg.actor_rollout_ref.model.path))
+    key = f"actor_rollout_ref.model.path={path}"
+    if not path.is_dir():
+        raise PreflightError("model", f"{key} is not a local folder (download it once to shared storage)")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise PreflightError("model", f"{key}: config.json unreadable ({err})") from None
+    need = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
+    positions = config.get("max_position_embeddings")
+    if not isinstance(positions, int) or positions < need:
+        raise PreflightError(
+            "model", f"{key}: max_position_embeddings={positions} < max_prompt_length + max_response_length = {need}"
+        )
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise PreflightError("model", f"{key}: no tokenizer files")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise PreflightError("model", f"{key}: no weights (*.safetensors / *.bin)")
+    return f"{path} (max_position_embeddings={positions} >= {need})"
+
+
+def check_trackers(cfg: DictConfig, env: dict[str, str]) -> str:
+    loggers = as_list(OmegaConf.select(cfg, "trainer.logger"))
+    if "wandb" not in loggers:
+        return f"trainer.logger={loggers}"
+    mode = env.get("WANDB_MODE", "")
+    if mode in ("offline", "disabled", "dryrun") or env.get("WANDB_API_KEY"):
+        return f"wandb ({'WANDB_MODE=' + mode if mode else 'WANDB_API_KEY set'})"
+    raise PreflightError(
+        "trackers",
+        f"trainer.logger={loggers} but WANDB_API_KEY is unset and WANDB_MODE={mode or '<unset>'}: wandb.init would "
+        "fail or hang; set the key where Ray runs, WANDB_MODE=offline, or trainer.logger=[console,file]",
+    )
+
+
+def log_dir_warnings(cfg: DictConfig, env: dict[str, str]) -> list[str]:
+    """The ``file`` / ``tensorboard`` loggers of ``trainer.logger`` whose folder is relative (verl's defaults are)."""
+    loggers = as_list(OmegaConf.select(cfg, "trainer.logger"))
+    runtime_env = OmegaConf.select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars") or {}
+
+    def value(var: str) -> str:
+        # The runtime env is what the TaskRunner sees; the recipe's entry point copies this environment's there.
+        return str(runtime_env.get(var) or env.get(var) or "")
+
+    wanted = []
+    if "file" in loggers:
+        var = "VERL_FILE_LOGGER_PATH" if value("VERL_FILE_LOGGER_PATH") else "VERL_FILE_LOGGER_ROOT"
+        wanted.append(("file", var, "."))
+    if "tensorboard" in loggers:
+        wanted.append(("tensorboard", "TENSORBOARD_DIR", "tensorboard_log/<project>/<experiment>"))
+    warnings = []
+    for logger_name, var, default in wanted:
+        if not os.path.isabs(os.path.expanduser(value(var) or default)):
+            shown = f"{var}={value(var)}" if value(var) else f"{var} unset (verl's default {default})"
+            warnings.append(
+                f"trainer.logger has {logger_name} but {shown} is relative: verl's TaskRunner resolves it in its "
+                "working directory, a Ray session's scratch folder on whichever node it starts, so the log is lost "
+                f"with the session and a resume finds no history; set {var} to shared storage (the launch scripts "
+                "put it under CKPTS_DIR)"
+            )
+    return warnings
