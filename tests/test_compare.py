@@ -110,6 +110,7 @@ E2E_CONFIGS = ("grpo_s_zero_fill",)
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # the default tier's preemption runs took its place; grpo_s's unit tests stay there
 def test_tiny_sweep_through_verl_writes_the_table_and_the_figure(ray_cluster, tmp_path):
     """grpo_s, one seed, two steps, on the second task, at world size two on the session's two-node Ray cluster."""
     out = tmp_path / "cmp"
