@@ -43,6 +43,7 @@ __all__ = [
     "PreemptedError",
     "PreemptionParams",
     "StopPolicy",
+    "params_of",
     "parse_deadline",
     "resolve_deadline",
 ]
@@ -82,6 +83,13 @@ class PreemptionParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"{name}={value!r}: must be a number of seconds >= 0")
+
+
+def params_of(algorithm) -> PreemptionParams:
+    """``algorithm.preemption`` of a trainer config, validated (errors name the key)."""
+    from gtpo.verl_plugin.config import load_knobs
+
+    return load_knobs(PreemptionParams, algorithm.get("preemption", None), "algorithm.preemption")
 
 
 class PreemptedError(RuntimeError):

@@ -24,6 +24,7 @@ from gtpo.verl_plugin.preemption import (
     current_job_id,
     get_request,
     job_key,
+    params_of,
     put_request,
     resolve_deadline,
 )
@@ -52,9 +53,7 @@ class TrainerStop:
 
     @classmethod
     def for_trainer(cls, algorithm) -> TrainerStop:
-        from gtpo.verl_plugin.config import load_knobs
-
-        return cls(load_knobs(PreemptionParams, algorithm.get("preemption", None), "algorithm.preemption"))
+        return cls(params_of(algorithm))
 
     def _stored_request(self) -> str | None:
         for key in self._keys:
@@ -128,10 +127,9 @@ class TrainerStop:
         folder = os.path.join(str(trainer.config.trainer.default_local_dir), f"global_step_{step}")
         if self.saved_step == step:
             self._say(f"{reason}: step {step} is saved already ({folder}); the run stops")
-            self._announce(f"step {step} in {folder}")
-            return
-        self._say(f"{reason}: saving step {step} to {folder}, then the run stops")
-        trainer._save_checkpoint()
+        else:
+            self._say(f"{reason}: saving step {step} to {folder}, then the run stops")
+            trainer._save_checkpoint()
         self._announce(f"step {step} in {folder}")
 
 

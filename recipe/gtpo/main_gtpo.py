@@ -26,9 +26,9 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
-from gtpo.verl_plugin.config import load_knobs, merge_module_list
+from gtpo.verl_plugin.config import merge_module_list
 from gtpo.verl_plugin.preemption import EXIT_CODE as PREEMPTED_EXIT
-from gtpo.verl_plugin.preemption import DriverRelay, PreemptedError, PreemptionParams
+from gtpo.verl_plugin.preemption import DriverRelay, PreemptedError, params_of
 
 PLUGIN_MODULE = "gtpo.verl_plugin.register"
 # Exit status of a configuration refused before Ray starts (GTPO_TRACEBACK=1 raises it with its traceback instead).
@@ -152,8 +152,7 @@ def handlers_after_ray_init(relay: DriverRelay):
 def run_preemptible(config: DictConfig) -> int:
     """verl's ``run_ppo`` with the stop signals relayed to the trainer; 0, or :data:`PREEMPTED_EXIT` after the
     trainer saved and stopped."""
-    params = load_knobs(PreemptionParams, config.algorithm.get("preemption", None), "algorithm.preemption")
-    with handlers_after_ray_init(DriverRelay(params)):
+    with handlers_after_ray_init(DriverRelay(params_of(config.algorithm))):
         try:
             run_ppo(config, task_runner_class=ray.remote(GTPOTaskRunner))
         except PreemptedError as err:
