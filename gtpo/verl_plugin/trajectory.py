@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from gtpo.algorithms.group_ops import group_ids
+from gtpo.algorithms.kernel_support import row_sums
 from gtpo.algorithms.trajectory import gtpo_traj_advantages
 from gtpo.algorithms.trajectory_params import GTPOTrajParams
 from gtpo.verl_plugin.config import load_knobs
@@ -127,7 +128,7 @@ def compute_gtpo_traj_advantage(
     gid, num_groups = group_ids(index)
     gid = gid.to(device)
     # the sequence reward, as verl's GRPO takes it (verl's token-level rewards are 0 off the response)
-    scores = token_level_rewards.detach().sum(-1)
+    scores = row_sums(token_level_rewards)
 
     h_ini = params.h_ini
     measure = False
