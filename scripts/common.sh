@@ -6,10 +6,10 @@
 # checkpoint folder, W&B names), so the script's knobs and then the caller's own overrides win, and picks one of:
 #
 #   DRY_RUN=1           resolve the full Hydra config, run verl's validation and the batch-arithmetic checks,
-#                       print it; no Ray, no GPU (gtpo/verl_plugin/dry_run.py)
+#                       print it; no Ray, no GPU (gtpo/launch/dry_run.py)
 #   PREFLIGHT=1         on the cluster, before training: the dry run's checks plus data, model, checkpoint
 #                       folder, driver, interfaces, trackers and Ray cluster size, one line each, in seconds
-#                       (gtpo/verl_plugin/preflight.py); in job mode it is submitted as the job instead of training
+#                       (gtpo/launch/preflight.py); in job mode it is submitted as the job instead of training
 #   SUBMIT_MODE=local   `python -m recipe.gtpo.main_gtpo ...` here: a fresh local Ray instance, or the cluster
 #                       that `ray start` made on this node / that RAY_ADDRESS=<ip>:6379 names (Slurm, KubeRay)
 #   SUBMIT_MODE=job     `ray job submit --address "$RAY_ADDRESS" --runtime-env <generated> -- python -m ...`
@@ -247,7 +247,7 @@ gtpo_launch() {
     gtpo_check_paths "${mode}" || return 1
     local module=${ENTRYPOINT}
     if [[ "${PREFLIGHT}" == 1 || "${PREFLIGHT}" == true ]]; then
-        module=gtpo.verl_plugin.preflight
+        module=gtpo.launch.preflight
     fi
     if [[ "${mode}" == local ]]; then
         exec "${PYTHON}" -m "${module}" "${overrides[@]}"

@@ -267,7 +267,7 @@ def patched_tq(store: MemoryTQ):
     import verl.trainer.ppo.padding_utils as padding_utils
     import verl.trainer.ppo.v1.trainer_base as trainer_base
 
-    import gtpo.verl_plugin.trainer_mixin as trainer_mixin
+    import gtpo.trainer.mixin as trainer_mixin
 
     modules = (padding_utils, trainer_base, trainer_mixin)
     saved = [m.tq for m in modules]
@@ -354,8 +354,8 @@ class DriverBatch:
 
 def make_driver(cfg, dp: int, store: MemoryTQ, old_model):
     """The recipe's sync trainer object with only what the steps used here read (no constructor, no Ray)."""
+    from gtpo.trainer.modes import GTPOTrainerSync
     from gtpo.verl_plugin import forking
-    from gtpo.verl_plugin.trainer import GTPOTrainerSync
 
     drv = object.__new__(GTPOTrainerSync)
     drv.config = cfg

@@ -63,8 +63,8 @@ def _preset(registered: str) -> list[str]:
 def test_each_mode_resolves_to_its_verl_base_and_reports_its_mode(registered):
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
-    from gtpo.verl_plugin.dynamic_sampling import BoundedDapoReplayBuffer
-    from gtpo.verl_plugin.trainer_mixin import GTPOTrainerMixin
+    from gtpo.trainer.dynamic_sampling import BoundedDapoReplayBuffer
+    from gtpo.trainer.mixin import GTPOTrainerMixin
 
     verl_mode, _, _ = MODES[registered]
     trainer = make_trainer(registered, _preset(registered) + ["method=gtpo"])
@@ -89,7 +89,7 @@ def test_each_mode_resolves_to_its_verl_base_and_reports_its_mode(registered):
 
 @pytest.mark.parametrize("registered", list(MODES))
 def test_mixin_methods_win_and_the_mode_hooks_stay_verl_s(registered):
-    from gtpo.verl_plugin.trainer_mixin import GTPOTrainerMixin
+    from gtpo.trainer.mixin import GTPOTrainerMixin
 
     cls = type(make_trainer(registered, _preset(registered)))
     base = _base_class(registered)
@@ -108,7 +108,7 @@ def test_mixin_methods_win_and_the_mode_hooks_stay_verl_s(registered):
 
 
 def test_staleness_is_logged_beside_the_estimator_metrics():
-    from gtpo.verl_plugin.trainer_mixin import STALENESS_METRICS, GTPOTrainerMixin
+    from gtpo.trainer.mixin import STALENESS_METRICS, GTPOTrainerMixin
 
     class VerlStandIn:
         def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
@@ -325,7 +325,7 @@ def test_each_estimator_call_logs_the_rows_and_groups_it_saw(registered, sync_st
 
 
 def test_batch_scopes_under_parameter_sync_step_are_a_startup_note():
-    from gtpo.verl_plugin.async_checks import startup_notes
+    from gtpo.launch.async_checks import startup_notes
 
     def notes(*overrides):
         return startup_notes(compose([*SEPARATE, "model=qwen2.5_7b", *overrides]))
@@ -352,7 +352,7 @@ def test_batch_scopes_under_parameter_sync_step_are_a_startup_note():
 
 def _validate(overrides: list[str]) -> None:
     import gtpo.verl_plugin.register  # noqa: F401
-    from gtpo.verl_plugin.validation import validate_recipe_config
+    from gtpo.launch.validation import validate_recipe_config
 
     validate_recipe_config(compose(overrides))
 
@@ -479,7 +479,7 @@ def test_the_dry_run_module_checks_the_mode_too(monkeypatch, capsys):
     import verl  # noqa: F401
 
     import gtpo.verl_plugin.register  # noqa: F401
-    from gtpo.verl_plugin.dry_run import main
+    from gtpo.launch.dry_run import main
 
     monkeypatch.chdir(script_path("gtpo", "7b").parents[1])
     argv = [*SEPARATE, "method=gtpo", "model=qwen2.5_7b", "actor_rollout_ref.rollout.checkpoint_engine.backend=naive"]
@@ -524,7 +524,7 @@ def test_separate_async_setup_survives_verl_logging_with_flush(monkeypatch, capl
     from verl.trainer.ppo.v1 import trainer_separate_async
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
-    from gtpo.verl_plugin.trainer import GTPOTrainerSeparateAsync
+    from gtpo.trainer.modes import GTPOTrainerSeparateAsync
 
     def verl_setup(self):  # what verl's _setup does on the hybrid_engine=false branch
         trainer_separate_async.logger.info("[V1SepAsync] hybrid replicas disabled", flush=True)

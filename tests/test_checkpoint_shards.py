@@ -18,8 +18,8 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from gtpo.verl_plugin import checkpoint_state, checkpoint_world_size, checkpoints
-from gtpo.verl_plugin.checkpoints import TRACKER_FILE, CheckpointLayout, prune_checkpoints, resolve_auto_resume
+from gtpo.trainer import checkpoint_state, checkpoint_world_size, checkpoints
+from gtpo.trainer.checkpoints import TRACKER_FILE, CheckpointLayout, prune_checkpoints, resolve_auto_resume
 from tests.test_resume_checkpoint import make_trainer, save, write_shards
 
 SYNC = CheckpointLayout()
@@ -265,7 +265,7 @@ def test_a_removal_cut_short_never_leaves_a_complete_looking_folder(root, monkey
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(checkpoints.shutil, "rmtree", interrupted)
-    with caplog.at_level(logging.WARNING, logger="gtpo.verl_plugin.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="gtpo.trainer.checkpoints"):
         assert prune_checkpoints(str(root), 4, SYNC, max_actor_ckpt_to_keep=1) == []
     assert "could not remove the old checkpoint" in caplog.records[0].getMessage()
     assert checkpoints.incomplete_reasons(str(root / "global_step_2"), 2, SYNC) == ["no gtpo_state.json"]

@@ -262,7 +262,7 @@ def test_gloo_default_backend_only_under_verl_platform_cpu(platform, backends):
 def test_cpu_backend_is_refused_on_a_gpu_run(device, env, runtime_env, found):
     from omegaconf import OmegaConf
 
-    from gtpo.verl_plugin.startup_checks import check_cpu_backend
+    from gtpo.trainer.startup_checks import check_cpu_backend
 
     config = OmegaConf.create(
         {"trainer": {"device": device}, "ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": runtime_env}}}}
@@ -278,7 +278,7 @@ def test_cpu_backend_is_refused_on_a_gpu_run(device, env, runtime_env, found):
 
 def test_prepare_config_refuses_the_cpu_backend_before_ray(monkeypatch):
     """The recipe's entry point stops a GPU run that inherited the CPU backend's variables before anything starts."""
-    from gtpo.verl_plugin.dry_run import compose_config
+    from gtpo.launch.dry_run import compose_config
     from recipe.gtpo.main_gtpo import prepare_config
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])

@@ -201,7 +201,7 @@ def test_verl_ignores_max_num_gen_batches(monkeypatch):
 
 
 def test_round_limit_stops_after_max_num_gen_batches(monkeypatch):
-    from gtpo.verl_plugin.dynamic_sampling import BoundedDapoReplayBuffer
+    from gtpo.trainer.dynamic_sampling import BoundedDapoReplayBuffer
 
     buffer, rollout, _ = _buffer(monkeypatch, [], cls=BoundedDapoReplayBuffer, max_num_gen_batches=3)
     rollout.submit(4)
@@ -212,7 +212,7 @@ def test_round_limit_stops_after_max_num_gen_batches(monkeypatch):
 
 
 def test_round_limit_lets_a_fillable_batch_through(monkeypatch):
-    from gtpo.verl_plugin.dynamic_sampling import ROUNDS_METRIC, BoundedDapoReplayBuffer
+    from gtpo.trainer.dynamic_sampling import ROUNDS_METRIC, BoundedDapoReplayBuffer
 
     outcomes = [MIXED, ALL_RIGHT, MIXED, ALL_WRONG, MIXED, MIXED, ALL_RIGHT, ALL_RIGHT]
     buffer, rollout, _ = _buffer(monkeypatch, outcomes, cls=BoundedDapoReplayBuffer, max_num_gen_batches=2)
@@ -227,7 +227,7 @@ def test_round_limit_lets_a_fillable_batch_through(monkeypatch):
 def test_bound_generation_rounds_wraps_only_when_configured(monkeypatch):
     from omegaconf import OmegaConf
 
-    from gtpo.verl_plugin.dynamic_sampling import BoundedDapoReplayBuffer, bound_generation_rounds
+    from gtpo.trainer.dynamic_sampling import BoundedDapoReplayBuffer, bound_generation_rounds
 
     buffer, rollout, _ = _buffer(monkeypatch, [])
     off = OmegaConf.create({"filter_groups": {"enable": True, "metric": "acc", "max_num_gen_batches": 0}})
@@ -243,7 +243,7 @@ def test_bound_generation_rounds_wraps_only_when_configured(monkeypatch):
 @pytest.mark.parametrize("method", ["gtpo", "grpo_s"])
 def test_gtpo_and_grpo_s_presets_stop_at_dapo_s_round_limit(monkeypatch, method):
     """Their dynamic sampling gets DAPO's bound: 10 generation rounds, then an error naming the limit."""
-    from gtpo.verl_plugin.dynamic_sampling import BoundedDapoReplayBuffer, bound_generation_rounds
+    from gtpo.trainer.dynamic_sampling import BoundedDapoReplayBuffer, bound_generation_rounds
     from tests.test_configs import compose
 
     algorithm = compose([f"method={method}"]).algorithm

@@ -1,4 +1,4 @@
-"""gtpo/verl_plugin/dry_run.py: every batch-arithmetic and registry check fails with the offending key named.
+"""gtpo/launch/dry_run.py: every batch-arithmetic and registry check fails with the offending key named.
 
     .venv/bin/pytest -q tests/test_dry_run.py
 
@@ -25,7 +25,7 @@ def compose(monkeypatch):
     import verl  # noqa: F401  (loads the plugin through VERL_USE_EXTERNAL_MODULES / entry points)
 
     import gtpo.verl_plugin.register  # noqa: F401
-    from gtpo.verl_plugin.dry_run import compose_config
+    from gtpo.launch.dry_run import compose_config
 
     monkeypatch.chdir(REPO)
     return lambda *overrides: compose_config(["method=gtpo", *overrides])
@@ -33,7 +33,7 @@ def compose(monkeypatch):
 
 @pytest.mark.parametrize("size", ["7b", "32b"])
 def test_presets_pass(compose, capsys, size):
-    from gtpo.verl_plugin.dry_run import BEGIN_MARK, END_MARK, run_dry
+    from gtpo.launch.dry_run import BEGIN_MARK, END_MARK, run_dry
 
     run_dry(compose(f"model=qwen2.5_{size}"))
     out = capsys.readouterr().out
@@ -59,7 +59,7 @@ def test_presets_pass(compose, capsys, size):
 def test_batch_plan_numbers(compose, size, scale, expected):
     from omegaconf import OmegaConf
 
-    from gtpo.verl_plugin.batch_plan import batch_plan
+    from gtpo.launch.batch_plan import batch_plan
 
     cfg = compose(f"model=qwen2.5_{size}", f"scale={scale}")
     OmegaConf.resolve(cfg)
@@ -74,7 +74,7 @@ def test_overlong_buffer_follows_the_scale(monkeypatch, capsys, method, size, sc
     import verl  # noqa: F401
 
     import gtpo.verl_plugin.register  # noqa: F401
-    from gtpo.verl_plugin.dry_run import compose_config, run_dry
+    from gtpo.launch.dry_run import compose_config, run_dry
 
     monkeypatch.chdir(REPO)
     cfg = compose_config([f"method={method}", f"model=qwen2.5_{size}", f"scale={scale}"])
@@ -102,7 +102,7 @@ def test_rejects_overlong_buffer_trap(monkeypatch, overrides, match):
     import verl  # noqa: F401
 
     import gtpo.verl_plugin.register  # noqa: F401
-    from gtpo.verl_plugin.dry_run import compose_config, run_dry
+    from gtpo.launch.dry_run import compose_config, run_dry
 
     monkeypatch.chdir(REPO)
     cfg = compose_config(
@@ -149,7 +149,7 @@ def test_rejects_overlong_buffer_trap(monkeypatch, overrides, match):
     ],
 )
 def test_rejects(compose, overrides, match):
-    from gtpo.verl_plugin.dry_run import run_dry
+    from gtpo.launch.dry_run import run_dry
 
     cfg = compose("model=qwen2.5_32b", *overrides)
     with pytest.raises(ValueError, match=match):
@@ -159,7 +159,7 @@ def test_rejects(compose, overrides, match):
 def test_config_left_untouched(compose):
     from omegaconf import OmegaConf
 
-    from gtpo.verl_plugin.dry_run import run_dry
+    from gtpo.launch.dry_run import run_dry
 
     cfg = compose("model=qwen2.5_7b")
     before = OmegaConf.to_yaml(cfg)
@@ -194,7 +194,7 @@ def test_config_left_untouched(compose):
     ],
 )
 def test_dry_run_prints_the_forking_pass_memory_terms(compose, capsys, size, extra, lines):
-    from gtpo.verl_plugin.dry_run import run_dry
+    from gtpo.launch.dry_run import run_dry
 
     run_dry(compose("method=dapo_forking", f"model=qwen2.5_{size}", *extra))
     out = capsys.readouterr().out
@@ -204,7 +204,7 @@ def test_dry_run_prints_the_forking_pass_memory_terms(compose, capsys, size, ext
 
 
 def test_memory_terms_of_the_other_methods_and_a_readable_vocabulary(compose, capsys, tmp_path):
-    from gtpo.verl_plugin.dry_run import run_dry
+    from gtpo.launch.dry_run import run_dry
 
     model = tmp_path / "Qwen2.5-0.5B-Instruct"
     model.mkdir()
@@ -218,7 +218,7 @@ def test_memory_terms_of_the_other_methods_and_a_readable_vocabulary(compose, ca
 
 
 def test_separate_async_dry_run_states_the_nodes_the_engine_and_the_batch_note(compose, capsys):
-    from gtpo.verl_plugin.dry_run import run_dry
+    from gtpo.launch.dry_run import run_dry
 
     run_dry(compose("model=qwen2.5_32b", "trainer=separate_async", "actor_rollout_ref.rollout.nnodes=2"))
     out = capsys.readouterr().out
@@ -230,7 +230,7 @@ def test_separate_async_dry_run_states_the_nodes_the_engine_and_the_batch_note(c
 
 
 def test_term_arithmetic():
-    from gtpo.verl_plugin.memory_estimate import GIB, Term
+    from gtpo.launch.memory_estimate import GIB, Term
 
     term = Term("logits", 24_576, 152_064, 2, 2, "why")
     assert term.gib == 24_576 * 152_064 * 2 * 2 / GIB == pytest.approx(13.92, abs=0.01)

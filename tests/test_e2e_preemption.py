@@ -4,7 +4,7 @@
 
 SIGUSR1 to the driver after step 2 of a run without periodic saves: the run saves the step in flight and ends by
 itself with exit 85 (the trackers flushed). ``resume_mode=auto`` continues from that checkpoint; after its first step
-the cluster-wide request of a Kubernetes preStop hook (``python -m gtpo.verl_plugin.preemption request --wait``)
+the cluster-wide request of a Kubernetes preStop hook (``python -m gtpo.trainer.preemption request --wait``)
 stops it the same way, the hook returning once the trainer has saved; the metric log holds every step of both runs
 once.
 
@@ -21,8 +21,8 @@ import sys
 
 import pytest
 
-from gtpo.verl_plugin.checkpoints import TRACKER_FILE, CheckpointLayout, incomplete_reasons
-from gtpo.verl_plugin.preemption import EXIT_CODE
+from gtpo.trainer.checkpoints import TRACKER_FILE, CheckpointLayout, incomplete_reasons
+from gtpo.trainer.preemption import EXIT_CODE
 from tests.e2e_support import REPO_ROOT, WORLD_SIZE_2, RunningRecipe, read_metrics, shard_names, tail
 from tests.test_e2e_trainer import base_overrides
 
@@ -70,7 +70,7 @@ def test_sigusr1_then_a_prestop_request_each_save_the_step_in_flight_and_exit_85
                             log_env={"VERL_FILE_LOGGER_PATH": str(metrics_path)})  # fmt: skip
     resumed.wait_until(lambda: len(read_metrics(metrics_path)) > stopped, timeout=600)
     hook = subprocess.run(
-        [sys.executable, "-m", "gtpo.verl_plugin.preemption", "request", f"--address={ray_cluster.address}",
+        [sys.executable, "-m", "gtpo.trainer.preemption", "request", f"--address={ray_cluster.address}",
          "--wait=300"],
         cwd=REPO_ROOT, env={**os.environ, "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True, timeout=360,
     )  # fmt: skip
@@ -80,7 +80,7 @@ def test_sigusr1_then_a_prestop_request_each_save_the_step_in_flight_and_exit_85
     assert f"resumed from {folder} at step {stopped}" in resumed.log, tail(resumed.log)
     again = [r["step"] for r in read_metrics(metrics_path)][-1]
     assert stopped < again < 8
-    assert f"stopped after step {again} (python -m gtpo.verl_plugin.preemption request)" in resumed.log
+    assert f"stopped after step {again} (python -m gtpo.trainer.preemption request)" in resumed.log
     assert incomplete_reasons(str(ckpt / f"global_step_{again}"), again, CheckpointLayout()) == []
     # every step of both runs in the metric log once
     assert [r["step"] for r in read_metrics(metrics_path)] == list(range(1, again + 1))

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from gtpo.metric_log import read_file_log
-from gtpo.verl_plugin.checkpoints import TRACKER_FILE
+from gtpo.trainer.checkpoints import TRACKER_FILE
 from tests.e2e_support import (
     WORLD_SIZE_2,
     RunningRecipe,

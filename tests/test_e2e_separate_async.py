@@ -26,8 +26,8 @@ import time
 
 import pytest
 
-from gtpo.verl_plugin.checkpoints import TRACKER_FILE, CheckpointLayout, incomplete_reasons
-from gtpo.verl_plugin.preemption import EXIT_CODE as PREEMPTED_EXIT
+from gtpo.trainer.checkpoints import TRACKER_FILE, CheckpointLayout, incomplete_reasons
+from gtpo.trainer.preemption import EXIT_CODE as PREEMPTED_EXIT
 from tests.e2e_support import (
     RunningRecipe,
     RunResult,

@@ -12,7 +12,7 @@ inductor takes ~6 s per recompile on a 2-core CPU, 26 s for the first), the reci
 
 The memory side, measured with saved-tensor hooks: an entropy computed with autograd keeps the fp32 copy and the
 softmax of every chunk (8 bytes per token and vocabulary entry: the "x 4 B x 2" of
-``gtpo.verl_plugin.memory_estimate``); inside verl's ``entropy_checkpointing`` checkpoint it keeps only its input.
+``gtpo.launch.memory_estimate``); inside verl's ``entropy_checkpointing`` checkpoint it keeps only its input.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def _saved_bytes(fn, logits) -> tuple[int, bool]:
 def test_entropy_with_autograd_keeps_two_fp32_copies_per_vocabulary_entry():
     from verl.utils import torch_functional as verl_F
 
-    from gtpo.verl_plugin.memory_estimate import CHUNK_BYTES, LOGITS_BYTES
+    from gtpo.launch.memory_estimate import CHUNK_BYTES, LOGITS_BYTES
 
     tokens, vocab = 64, 1000
     logits = torch.randn(tokens, vocab, dtype=torch.bfloat16, requires_grad=True)

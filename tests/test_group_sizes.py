@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from gtpo.verl_plugin.group_sizes import GroupParams, ShortGroupError, group_size_metrics
+from gtpo.trainer.group_sizes import GroupParams, ShortGroupError, group_size_metrics
 from tests.test_async_trainers import _advantages, _batch, make_trainer
 
 
@@ -30,7 +30,7 @@ def test_refusal_names_the_short_groups_and_the_way_out():
 
 
 def test_bad_knob_values_are_refused_with_the_key():
-    from gtpo.verl_plugin.validation import load_all_knobs
+    from gtpo.launch.validation import load_all_knobs
 
     with pytest.raises(ValueError, match=r"algorithm.groups.refuse_short"):
         load_all_knobs(OmegaConf.create({"groups": {"refuse_short": "yes"}}))

@@ -74,8 +74,10 @@ def _under(name: str, roots: tuple[str, ...]) -> bool:
 # (modules under this package, what they must never reach): the "Never" list of the architecture, and viz below the
 # verl adapter.
 RULES = [
-    ("gtpo.viz", ("gtpo.verl_plugin",)),
-    ("gtpo.metric_log", ("gtpo.verl_plugin", "gtpo.viz", "gtpo.cpu", "verl")),
+    ("gtpo.viz", ("gtpo.verl_plugin", "gtpo.trainer", "gtpo.launch")),
+    ("gtpo.metric_log", ("gtpo.verl_plugin", "gtpo.trainer", "gtpo.launch", "gtpo.viz", "gtpo.cpu", "verl")),
+    # the three rooms: the trainer's runtime never reaches the launch tooling
+    ("gtpo.trainer", ("gtpo.launch",)),
     ("gtpo.algorithms", ("verl", "ray", "vllm", "omegaconf")),
     ("gtpo.reward", ("gtpo.algorithms",)),
 ]
@@ -89,6 +91,14 @@ def test_no_arrow_runs_back_up(package, forbidden):
     assert {m: a for m, a in arrows.items() if a} == {}
 
 
+def test_the_adapters_reach_neither_the_runtime_nor_the_tooling():
+    """What verl calls (estimators, losses, knobs) stands alone; only ``register`` reaches the trainer modes."""
+    adapters = sorted(m for m in MODULES if _under(m, ("gtpo.verl_plugin",)) and m != "gtpo.verl_plugin.register")
+    arrows = {m: sorted(n for n in reachable(m) if _under(n, ("gtpo.trainer", "gtpo.launch"))) for m in adapters}
+    assert {m: a for m, a in arrows.items() if a} == {}
+    assert "gtpo.trainer.modes" in reachable("gtpo.verl_plugin.register")
+
+
 def test_only_the_cpu_corner_imports_it():
     """Nothing but ``gtpo.cpu`` itself imports ``gtpo.cpu`` (tests, demos and the CPU preset live outside ``gtpo``)."""
     importers = {m for m in MODULES if not _under(m, ("gtpo.cpu",)) and any(
@@ -99,14 +109,15 @@ def test_only_the_cpu_corner_imports_it():
 
 def test_the_graph_sees_lazy_imports():
     """The reader finds an import inside a function (how the trainer reaches the picture layer)."""
-    assert "gtpo.viz.dump_writer" in reachable("gtpo.verl_plugin.trainer_mixin")
+    assert "gtpo.viz.dump_writer" in reachable("gtpo.trainer.mixin")
     assert "matplotlib.figure" in reachable("gtpo.viz.curves")
 
 
 def test_importing_the_picture_layer_loads_no_verl_adapter():
     code = (
         "import sys, gtpo.viz, gtpo.viz.curves, gtpo.viz.tracker, gtpo.viz.tokens, gtpo.viz.__main__, gtpo.metric_log\n"
-        "bad = sorted(m for m in sys.modules if m.startswith(('gtpo.verl_plugin', 'verl')))\n"
+        "rooms = ('gtpo.verl_plugin', 'gtpo.trainer', 'gtpo.launch', 'verl')\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(rooms))\n"
         "assert not bad, bad\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

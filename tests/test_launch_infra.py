@@ -170,7 +170,7 @@ def test_preflight_runs_the_preflight_module(launch, extra):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (call,) = calls
     module = call.split(" -m ", 1)[1].split()[0]
-    assert module == "gtpo.verl_plugin.preflight"
+    assert module == "gtpo.launch.preflight"
     assert "method=gtpo" in call and "trainer.nnodes=1" in call
 
 

@@ -3,7 +3,7 @@
     .venv/bin/pytest -q tests/test_launch_scripts.py
 
 Each script is run with DRY_RUN=1 (no Ray, no GPU): the recipe's entry point composes the full Hydra config,
-runs verl's validation and the batch-arithmetic checks of gtpo/verl_plugin/dry_run.py and prints the resolved
+runs verl's validation and the batch-arithmetic checks of gtpo/launch/dry_run.py and prints the resolved
 config, which the tests parse and compare with the papers' settings. The twelve dry runs (each imports verl, ~10 s)
 run concurrently in one module-scoped fixture. A case whose method preset is missing is skipped with a message.
 """
@@ -278,7 +278,7 @@ def test_script_knobs_agree_with_presets(dry_runs, monkeypatch):
     """The knobs a script restates at its top must equal what `method=<m> model=<size>` alone resolves to."""
     from omegaconf import OmegaConf
 
-    from gtpo.verl_plugin.dry_run import compose_config
+    from gtpo.launch.dry_run import compose_config
 
     monkeypatch.chdir(REPO)
     checked = 0
@@ -380,7 +380,7 @@ def test_knob_block_states_the_paper_scale(monkeypatch):
     """The scale a script's knob block states in words is what configs/scale/paper.yaml resolves to."""
     from omegaconf import OmegaConf
 
-    from gtpo.verl_plugin.dry_run import compose_config
+    from gtpo.launch.dry_run import compose_config
 
     monkeypatch.chdir(REPO)
     cfg = OmegaConf.to_container(compose_config(["scale=paper"]), resolve=True)

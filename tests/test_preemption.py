@@ -15,8 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gtpo.verl_plugin.config import load_knobs
-from gtpo.verl_plugin.preemption import (
+from gtpo.trainer.preemption import (
     EXIT_CODE,
     DriverRelay,
     PreemptedError,
@@ -25,7 +24,8 @@ from gtpo.verl_plugin.preemption import (
     parse_deadline,
     resolve_deadline,
 )
-from gtpo.verl_plugin.preemption_trainer import TrainerStop
+from gtpo.trainer.preemption_hooks import TrainerStop
+from gtpo.verl_plugin.config import load_knobs
 
 # --------------------------------------------------------------------------------------------------------- knobs
 

@@ -1,4 +1,4 @@
-"""gtpo/verl_plugin/preflight.py against a temporary "cluster" layout: every check passes on a good setup and fails,
+"""gtpo/launch/preflight.py against a temporary "cluster" layout: every check passes on a good setup and fails,
 naming its item, on a broken one.
 
     .venv/bin/pytest -q tests/test_preflight.py
@@ -116,7 +116,7 @@ def compose(monkeypatch):
     import verl  # noqa: F401
 
     import gtpo.verl_plugin.register  # noqa: F401
-    from gtpo.verl_plugin.dry_run import compose_config
+    from gtpo.launch.dry_run import compose_config
 
     monkeypatch.chdir(REPO)
 
@@ -138,7 +138,7 @@ def compose(monkeypatch):
 
 
 def run(cfg, cluster, env=None):
-    from gtpo.verl_plugin.preflight import run_preflight
+    from gtpo.launch.preflight import run_preflight
 
     out = io.StringIO()
     rc = run_preflight(cfg, cluster, env=GOOD_ENV if env is None else env, out=out)
@@ -400,7 +400,7 @@ def test_epochs_that_end_before_the_steps_fail_the_run_length(compose, layout):
 
 
 def test_node_report_reads_token_and_loopback(tmp_path):
-    from gtpo.verl_plugin.preflight import node_report
+    from gtpo.launch.preflight import node_report
 
     token = tmp_path / "t"
     token.write_text("abc")
@@ -412,7 +412,7 @@ def test_node_report_reads_token_and_loopback(tmp_path):
 @pytest.mark.e2e
 def test_ray_cluster_reports_from_every_node(ray_session, ray_cluster, tmp_path):
     """The real Ray side: alive nodes listed, node_report pinned to each of them, the token read back."""
-    from gtpo.verl_plugin.preflight import RayCluster, node_report
+    from gtpo.launch.preflight import RayCluster, node_report
 
     cluster = RayCluster(ray_cluster.address)
     nodes = cluster.nodes()

@@ -19,7 +19,8 @@ def test_registry_round_trip():
     from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
 
     register = importlib.import_module("gtpo.verl_plugin.register")
-    from gtpo.verl_plugin import entropy_shaping, trainer, trajectory
+    from gtpo.trainer import modes as trainer
+    from gtpo.verl_plugin import entropy_shaping, trajectory
 
     assert get_adv_estimator_fn("gtpo") is entropy_shaping.compute_gtpo_advantage
     assert get_adv_estimator_fn("grpo_s") is entropy_shaping.compute_grpo_s_advantage

@@ -18,8 +18,8 @@ import stat
 
 import pytest
 
-from gtpo.verl_plugin import checkpoint_state, checkpoints
-from gtpo.verl_plugin.checkpoints import SHARD_KINDS, TRACKER_FILE, CheckpointLayout, resolve_auto_resume
+from gtpo.trainer import checkpoint_state, checkpoints
+from gtpo.trainer.checkpoints import SHARD_KINDS, TRACKER_FILE, CheckpointLayout, resolve_auto_resume
 
 SYNC = CheckpointLayout()
 
@@ -86,7 +86,7 @@ def test_a_kill_at_each_instant_of_a_save(root, caplog, upto, tracker_text, expe
     save(root, 2)
     save(root, 4)
     save(root, 6, upto=upto, tracker_text=tracker_text)
-    with caplog.at_level(logging.WARNING, logger="gtpo.verl_plugin.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="gtpo.trainer.checkpoints"):
         folder = resolve_auto_resume(str(root), SYNC)
     assert folder == str(root / f"global_step_{expected_step}")
     assert (root / TRACKER_FILE).read_text() == str(expected_step)
@@ -121,7 +121,7 @@ def test_verl_alone_fails_on_the_empty_tracker_every_time(root):
 def test_an_unreadable_tracker_or_one_naming_a_missing_folder(root, caplog, tracker_text, why):
     save(root, 4)
     (root / TRACKER_FILE).write_text(tracker_text)
-    with caplog.at_level(logging.WARNING, logger="gtpo.verl_plugin.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="gtpo.trainer.checkpoints"):
         assert resolve_auto_resume(str(root), SYNC) == str(root / "global_step_4")
     assert why in caplog.records[0].getMessage()
 
@@ -164,7 +164,7 @@ def test_no_complete_checkpoint_behind_a_tracker_is_refused_naming_the_folder(ro
 def test_without_a_tracker(root, caplog, tmp_path):
     assert resolve_auto_resume(str(tmp_path / "never_created"), SYNC) is None  # a first run
     save(root, 2, upto=2)  # the first save, killed before the tracker: nothing was ever recorded
-    with caplog.at_level(logging.WARNING, logger="gtpo.verl_plugin.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="gtpo.trainer.checkpoints"):
         assert resolve_auto_resume(str(root), SYNC) is None
     assert "training from scratch" in caplog.records[0].getMessage()
     checkpoint_state.save_state(str(root / "global_step_2"), 2)  # complete, but the tracker was deleted
@@ -282,7 +282,7 @@ def make_trainer(root, use_critic=False, **trainer):
     """A sync trainer as far as its checkpoint methods look: config and use_critic (no workers)."""
     from omegaconf import OmegaConf
 
-    from gtpo.verl_plugin.trainer import GTPOTrainerSync
+    from gtpo.trainer.modes import GTPOTrainerSync
 
     trainer_cfg = {"default_local_dir": str(root), "nnodes": 1, "n_gpus_per_node": 1, "resume_mode": "auto"}
     contents = ["model", "optimizer", "extra"]
@@ -303,7 +303,7 @@ def test_an_asynchronous_fsdp_save_is_refused_at_startup(save_freq, strategy, as
     """verl's v1 trainer writes no tracker for an asynchronous save: on FSDP nothing saved could be resumed."""
     from omegaconf import OmegaConf
 
-    from gtpo.verl_plugin.validation import check_checkpoint_saves
+    from gtpo.launch.validation import check_checkpoint_saves
 
     config = OmegaConf.create(
         {

@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from gtpo.metric_log import read_file_log
-from gtpo.verl_plugin import checkpoint_state, metric_history
+from gtpo.trainer import checkpoint_state, metric_history
 from gtpo.verl_plugin import trajectory as traj_adapter
 
 
@@ -228,7 +228,7 @@ def test_default_path_from_verl_root(tmp_path, monkeypatch):
 
 def test_trainer_logger_hook_attaches_the_history(log_path):
     """GTPOTrainerSync's ``logger`` setter is where verl's fit() hands over its Tracking."""
-    from gtpo.verl_plugin.trainer import GTPOTrainerSync
+    from gtpo.trainer.modes import GTPOTrainerSync
 
     first = _tracking()
     _log_steps(first, [1, 2, 3], "first")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from gtpo.verl_plugin.checkpoints import TRACKER_FILE
+from gtpo.trainer.checkpoints import TRACKER_FILE
 from tests.e2e_support import read_metrics
 from tests.slurm_support import LocalSlurm, missing_tools
 

@@ -16,7 +16,7 @@ from tests.test_configs import compose
 def make_trainer(overrides: list[str]):
     """A GTPOTrainerSync with its config set but no workers (enough for the replay buffer and the mode)."""
     import gtpo.verl_plugin.register  # noqa: F401
-    from gtpo.verl_plugin.trainer import GTPOTrainerSync
+    from gtpo.trainer.modes import GTPOTrainerSync
 
     trainer = GTPOTrainerSync.__new__(GTPOTrainerSync)
     trainer.config = compose(overrides)
@@ -41,7 +41,7 @@ def test_registered_under_its_own_name_but_runs_as_sync():
 def test_replay_buffer_is_verl_sync_buffer_with_dapo_settings():
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
-    from gtpo.verl_plugin.dynamic_sampling import BoundedDapoReplayBuffer
+    from gtpo.trainer.dynamic_sampling import BoundedDapoReplayBuffer
 
     plain = make_trainer(["method=gtpo", "algorithm.filter_groups.enable=false"])._build_replay_buffer()
     assert type(plain) is ReplayBuffer and not isinstance(plain, ReplayBufferAsync)

@@ -1,4 +1,4 @@
-"""The stage watchdog (gtpo.verl_plugin.watchdog) without Ray: deadlines, progress, the expiry path, the hooks.
+"""The stage watchdog (gtpo.trainer.watchdog) without Ray: deadlines, progress, the expiry path, the hooks.
 
 The end-to-end check, a real weight sync broken on purpose, is in tests/test_e2e_vllm.py.
 """
@@ -14,8 +14,8 @@ import pytest
 from omegaconf import OmegaConf
 from verl.utils.ray_utils import auto_await
 
-from gtpo.verl_plugin import watchdog as wd
-from gtpo.verl_plugin.watchdog import EXIT_CODE, StageTimeoutError, StageWatchdog, WatchdogParams
+from gtpo.trainer import watchdog as wd
+from gtpo.trainer.watchdog import EXIT_CODE, StageTimeoutError, StageWatchdog, WatchdogParams
 
 
 def test_a_stage_that_ends_in_time_passes():
@@ -104,16 +104,16 @@ def test_zero_limit_and_nested_stages():
     ],
 )
 def test_bad_knobs_fail_at_startup_naming_the_key(values, message):
-    from gtpo.verl_plugin.validation import load_all_knobs
+    from gtpo.launch.validation import load_all_knobs
 
     with pytest.raises(ValueError, match=message):
         load_all_knobs(OmegaConf.create({"watchdog": values}))
 
 
 def test_recipe_defaults_parse():
-    from gtpo.verl_plugin.validation import load_all_knobs
+    from gtpo.launch.validation import load_all_knobs
 
-    cfg = OmegaConf.load(wd.__file__.replace("gtpo/verl_plugin/watchdog.py", "recipe/gtpo/config/gtpo_trainer.yaml"))
+    cfg = OmegaConf.load(wd.__file__.replace("gtpo/trainer/watchdog.py", "recipe/gtpo/config/gtpo_trainer.yaml"))
     assert load_all_knobs(cfg.algorithm)["watchdog"] == WatchdogParams(1800, 1800, 60)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from gtpo.cpu import cluster
 from gtpo.cpu.demo_trainer import BATCH_ROWS, MINI_BATCH_ROWS, world_overrides
-from gtpo.verl_plugin.batch_checks import check_micro_batches
+from gtpo.launch.batch_checks import check_micro_batches
 from tests.test_configs import compose
 
 
@@ -50,7 +50,7 @@ def test_a_demo_of_two_nodes_needs_a_cluster_and_says_how_to_start_one(tmp_path)
 
 @pytest.mark.parametrize("nnodes,gpus", [(1, 1), (2, 1), (1, 2)])
 def test_the_backend_composes_at_each_world_size_and_passes_the_batch_check(nnodes, gpus):
-    from gtpo.verl_plugin.validation import validate_recipe_config
+    from gtpo.launch.validation import validate_recipe_config
 
     world = [f"trainer.nnodes={nnodes}", f"trainer.n_gpus_per_node={gpus}"]
     cfg = compose(["backend=cpu_tiny", "method=gtpo", *world])

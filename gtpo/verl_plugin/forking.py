@@ -29,7 +29,7 @@ selected. With ``entropy_coeff == 0`` (the preset's, and the paper's "no entropy
 entropy detached as well: it would otherwise add ``0 * entropy_loss`` to the loss, and that zero gradient makes the
 backward recompute verl's checkpointed chunked entropy with autograd, keeping ``tokens x vocabulary x 4 B x 2`` (the
 fp32 copy and softmax of every chunk, ~28 GiB at the 7B preset's 24,576-token budget) plus a third logits copy
-(:mod:`gtpo.verl_plugin.memory_estimate`). The selection keeps the paper's definition: the training policy's
+(:mod:`gtpo.launch.memory_estimate`). The selection keeps the paper's definition: the training policy's
 entropy of this very forward pass. Metrics (loss side, logged by verl as ``actor/forking/...``):
 ``forking/selected_token_frac``, ``forking/entropy_threshold`` (each micro-batch's threshold; averaged over
 micro-batches, ranks and mini-batches like verl's own loss metrics). Any min / max metric of the policy loss inside

@@ -13,7 +13,7 @@ What gets registered:
 * advantage estimators ``gtpo``, ``grpo_s`` (arXiv 2508.04349) and ``gtpo_traj`` (arXiv 2508.03772);
 * policy losses ``grpo_s`` (sequence-level clipped ratio) and the forking-token loss;
 * trainer modes ``gtpo_sync``, ``gtpo_colocate_async`` and ``gtpo_separate_async`` (``trainer.v1.trainer_mode``):
-  verl's three v1 trainers with the recipe's behaviour (:mod:`gtpo.verl_plugin.trainer`), which hands entropy and
+  verl's three v1 trainers with the recipe's behaviour (:mod:`gtpo.trainer.modes`), which hands entropy and
   token ids to the estimators.
 
 Importing twice is harmless: Python caches the modules, and verl's ``register_adv_est`` only rejects a *different*
@@ -22,8 +22,9 @@ function under a taken name.
 
 from __future__ import annotations
 
-from gtpo.verl_plugin import entropy_shaping, forking, trainer, trajectory  # noqa: F401  (imports register)
+from gtpo.trainer import modes
+from gtpo.verl_plugin import entropy_shaping, forking, trajectory  # noqa: F401  (importing registers)
 
-ESTIMATORS = tuple(sorted(trainer.RECIPE_ESTIMATORS))
-TRAINER_MODE = trainer.TRAINER_MODE
-TRAINER_MODES = tuple(trainer.TRAINER_MODES)
+ESTIMATORS = tuple(sorted(modes.RECIPE_ESTIMATORS))
+TRAINER_MODE = modes.TRAINER_MODE
+TRAINER_MODES = tuple(modes.TRAINER_MODES)

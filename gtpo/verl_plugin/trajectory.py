@@ -22,7 +22,7 @@ Mapping onto verl's loss (docs/ALGORITHMS.md §6.6):
 ``<H>_ini`` (ini gate, ``variant=paper``): if ``algorithm.gtpo_traj.h_ini`` is null, the first call of the
 estimator in this process measures it (mean over that batch's completions of ``<H>_i``), keeps it in this module
 (``current_h_ini()``) and every step logs it as ``gtpo_traj/h_ini``. ``gtpo_sync`` saves it with each checkpoint
-and restores it on resume (``gtpo.verl_plugin.checkpoint_state``). A resumed run (``global_steps > 1``) that still
+and restores it on resume (``gtpo.trainer.checkpoint_state``). A resumed run (``global_steps > 1``) that still
 has no value (a checkpoint without the recipe's state file) raises and asks for ``algorithm.gtpo_traj.h_ini``
 rather than measuring a trained policy's entropy as the "initial" one.
 """

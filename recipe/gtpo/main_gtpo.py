@@ -26,9 +26,9 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
+from gtpo.trainer.preemption import EXIT_CODE as PREEMPTED_EXIT
+from gtpo.trainer.preemption import DriverRelay, PreemptedError, params_of
 from gtpo.verl_plugin.config import merge_module_list
-from gtpo.verl_plugin.preemption import EXIT_CODE as PREEMPTED_EXIT
-from gtpo.verl_plugin.preemption import DriverRelay, PreemptedError, params_of
 
 PLUGIN_MODULE = "gtpo.verl_plugin.register"
 # Exit status of a configuration refused before Ray starts (GTPO_TRACEBACK=1 raises it with its traceback instead).
@@ -88,11 +88,11 @@ def prepare_config(config: DictConfig, dry_run: bool = False) -> None:
     and logs the startup notes; the dry run prints those itself, on a machine that is usually not the cluster's
     image.
     """
-    from gtpo.verl_plugin.async_checks import check_checkpoint_engine, startup_notes, verl_mode
-    from gtpo.verl_plugin.checkpoint_world_size import check_world_size_before_launch
-    from gtpo.verl_plugin.checkpoints import layout_of
-    from gtpo.verl_plugin.startup_checks import check_cpu_backend
-    from gtpo.verl_plugin.validation import validate_recipe_config
+    from gtpo.launch.async_checks import check_checkpoint_engine, startup_notes, verl_mode
+    from gtpo.launch.validation import validate_recipe_config
+    from gtpo.trainer.checkpoint_world_size import check_world_size_before_launch
+    from gtpo.trainer.checkpoints import layout_of
+    from gtpo.trainer.startup_checks import check_cpu_backend
 
     auto_set_device(config)
     check_cpu_backend(config)
@@ -122,7 +122,7 @@ def main(config: DictConfig) -> None:
         print(f"gtpo: invalid configuration: {err}", file=sys.stderr)
         sys.exit(CONFIG_ERROR_EXIT)
     if dry_run:
-        from gtpo.verl_plugin.dry_run import run_dry
+        from gtpo.launch.dry_run import run_dry
 
         run_dry(config)
         return

@@ -2,7 +2,7 @@
 
 ``PREFLIGHT=1 bash scripts/run_<method>_qwen2.5_<size>.sh`` (on the Ray head, inside the sbatch before training, or
 submitted as a Ray job) runs :func:`main` with the launch script's overrides instead of the trainer. The dry run
-(:mod:`gtpo.verl_plugin.dry_run`) checks arithmetic on a laptop; the preflight checks the cluster the run will
+(:mod:`gtpo.launch.dry_run`) checks arithmetic on a laptop; the preflight checks the cluster the run will
 meet, one line per check, stopping at the first failure (exit status 1):
 
 1. ``config``: the recipe's knob validation and the whole dry run (resolution, registries, batch plan, verl's
@@ -32,8 +32,8 @@ meet, one line per check, stopping at the first failure (exit status 1):
     ``RAY_NETWORK_INTERFACE`` exist on every node with a non-loopback IPv4 address.
 
 This module runs the checks in order and prints their lines; the checks are two modules, by where their facts come
-from: :mod:`gtpo.verl_plugin.preflight_checks` (1-8: the composed config, the data, the model, this machine) and
-:mod:`gtpo.verl_plugin.preflight_cluster` (9-12: the nodes, whose facts come from :func:`node_report`, run once on
+from: :mod:`gtpo.launch.preflight_checks` (1-8: the composed config, the data, the model, this machine) and
+:mod:`gtpo.launch.preflight_cluster` (9-12: the nodes, whose facts come from :func:`node_report`, run once on
 every node as a Ray task pinned to it).
 """
 
@@ -49,7 +49,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from gtpo.verl_plugin.preflight_checks import (
+from gtpo.launch.preflight_checks import (
     PreflightError,
     as_list,
     check_config,
@@ -61,7 +61,7 @@ from gtpo.verl_plugin.preflight_checks import (
     log_dir_warnings,
     parquet_rows,
 )
-from gtpo.verl_plugin.preflight_cluster import (
+from gtpo.launch.preflight_cluster import (
     MIN_DRIVER_VERSION,
     LocalCluster,
     RayCluster,
@@ -86,7 +86,7 @@ def run_preflight(cfg: DictConfig, cluster: Any, env: dict[str, str] | None = No
         env: the environment to judge (default ``os.environ``).
         out: stream for the report (default stdout).
     """
-    from gtpo.verl_plugin.async_checks import startup_notes
+    from gtpo.launch.async_checks import startup_notes
 
     env = dict(os.environ if env is None else env)
     out = out or sys.stdout
@@ -161,11 +161,11 @@ def run_preflight(cfg: DictConfig, cluster: Any, env: dict[str, str] | None = No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: ``python -m gtpo.verl_plugin.preflight override ...`` (the launch script's overrides)."""
+    """CLI: ``python -m gtpo.launch.preflight override ...`` (the launch script's overrides)."""
     import verl  # noqa: F401  (loads VERL_USE_EXTERNAL_MODULES and verl.plugins entry points)
 
     import gtpo.verl_plugin.register  # noqa: F401
-    from gtpo.verl_plugin.dry_run import compose_config
+    from gtpo.launch.dry_run import compose_config
 
     overrides = list(sys.argv[1:] if argv is None else argv)
     cfg = compose_config(overrides)

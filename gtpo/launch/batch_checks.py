@@ -35,7 +35,7 @@ def _log_prob_rows_per_rank(batch_rows: int, world: int, mini_rows: int) -> int:
 
 def check_micro_batches(config: DictConfig) -> None:
     """Raise ``ValueError`` when a fixed micro-batch does not divide a rank's rows at the run's world size."""
-    from gtpo.verl_plugin.async_checks import verl_mode
+    from gtpo.launch.async_checks import verl_mode
 
     nnodes, gpus = int(_get(config, "trainer.nnodes", 1)), int(_get(config, "trainer.n_gpus_per_node", 1))
     world = nnodes * gpus

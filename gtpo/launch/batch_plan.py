@@ -1,6 +1,6 @@
 """The batch plan of a launch configuration: the arithmetic verl checks late, or only inside its workers.
 
-:func:`batch_plan` (step 3 of the dry run, :mod:`gtpo.verl_plugin.dry_run`) checks, on a resolved config, that the
+:func:`batch_plan` (step 3 of the dry run, :mod:`gtpo.launch.dry_run`) checks, on a resolved config, that the
 train batch splits into whole PPO mini-batches, every mini-batch splits evenly over the data-parallel ranks (world
 size / Ulysses SP size), micro-batches divide the per-rank mini-batch, dynamic-batch token budgets hold one full
 prompt + response, the vLLM replicas (TP x DP x PP) tile the GPUs, and grouped estimators get at least two
@@ -185,7 +185,7 @@ def batch_plan(cfg: DictConfig, use_reference_policy: bool = False) -> dict[str,
 
 def rollout_pool(cfg: DictConfig) -> tuple[int, int] | None:
     """``(nodes, GPUs per node)`` of the standalone rollout pool under separate_async, else None."""
-    from gtpo.verl_plugin.async_checks import verl_mode
+    from gtpo.launch.async_checks import verl_mode
 
     if verl_mode(str(cfg.trainer.v1.trainer_mode)) != "separate_async":
         return None

@@ -17,9 +17,9 @@ KNOB_BLOCKS: dict[str, tuple[str, str]] = {
     "grop": ("gtpo.algorithms.length_penalty", "GROPParams"),
     "gtpo_traj": ("gtpo.algorithms.trajectory_params", "GTPOTrajParams"),
     "forking": ("gtpo.verl_plugin.forking", "ForkingParams"),
-    "watchdog": ("gtpo.verl_plugin.watchdog", "WatchdogParams"),
-    "groups": ("gtpo.verl_plugin.group_sizes", "GroupParams"),
-    "preemption": ("gtpo.verl_plugin.preemption", "PreemptionParams"),
+    "watchdog": ("gtpo.trainer.watchdog", "WatchdogParams"),
+    "groups": ("gtpo.trainer.group_sizes", "GroupParams"),
+    "preemption": ("gtpo.trainer.preemption", "PreemptionParams"),
 }
 
 # GROP (paper A, App. D) is applied inside these estimators, to the sequence reward before shaping.
@@ -101,8 +101,8 @@ def validate_recipe_config(config: DictConfig) -> None:
     """Validate the recipe-specific parts of a composed trainer config."""
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
 
-    from gtpo.verl_plugin.async_checks import check_trainer_mode
-    from gtpo.verl_plugin.batch_checks import check_micro_batches
+    from gtpo.launch.async_checks import check_trainer_mode
+    from gtpo.launch.batch_checks import check_micro_batches
 
     algorithm = config.algorithm
     estimator = str(algorithm.adv_estimator)

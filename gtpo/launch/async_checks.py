@@ -1,6 +1,6 @@
 """Config-time checks of the trainer mode: which modes can feed the recipe, and verl's own constraints per mode.
 
-Run by :func:`gtpo.verl_plugin.validation.validate_recipe_config` (the entry point, before Ray starts) and by the
+Run by :func:`gtpo.launch.validation.validate_recipe_config` (the entry point, before Ray starts) and by the
 dry run. verl 0.9.1 checks most of these only inside ``PPOTrainerSeparateAsync.__init__`` (asserts in the
 TaskRunner, after Ray and the workers' resource pools are up) or not at all; here each failure is a
 ``ValueError`` naming the key and its value.
@@ -47,7 +47,7 @@ VERL_MODES = ("sync", "colocate_async", "separate_async")
 
 def verl_mode(trainer_mode: str) -> str | None:
     """The verl mode behind ``trainer.v1.trainer_mode`` (``gtpo_colocate_async`` -> ``colocate_async``), or None."""
-    from gtpo.verl_plugin.trainer import TRAINER_MODES
+    from gtpo.trainer.modes import TRAINER_MODES
 
     if trainer_mode in TRAINER_MODES:
         return TRAINER_MODES[trainer_mode]
@@ -69,7 +69,7 @@ def _is_missing(config: DictConfig, key: str) -> bool:
 
 def check_recipe_needs(config: DictConfig, estimator: str, forking_enable: bool, forking_scope: str) -> None:
     """The recipe's estimators and the forking loss need a recipe mode and the old-log-prob pass."""
-    from gtpo.verl_plugin.trainer import RECIPE_ESTIMATORS, TRAINER_MODES
+    from gtpo.trainer.modes import RECIPE_ESTIMATORS, TRAINER_MODES
 
     mode = str(config.trainer.v1.trainer_mode)
     modes = ", ".join(TRAINER_MODES)

@@ -6,26 +6,26 @@ Hydra composition. It catches, on a laptop, the mistakes that otherwise surface 
 1. unresolvable interpolations and mandatory ``???`` values left unset;
 2. names missing from verl's registries (advantage estimator, policy loss, v1 trainer mode): the symptom of a plugin
    that was not imported (``VERL_USE_EXTERNAL_MODULES``);
-3. batch arithmetic verl checks late, or only inside the workers (:mod:`gtpo.verl_plugin.batch_plan`): the train
+3. batch arithmetic verl checks late, or only inside the workers (:mod:`gtpo.launch.batch_plan`): the train
    batch splits into whole PPO mini-batches, every mini-batch splits evenly over the data-parallel ranks, micro-batches
    divide the per-rank mini-batch, dynamic-batch token budgets hold one full prompt + response, the vLLM replicas
    tile the GPUs, and grouped estimators get at least two responses per prompt;
 4. a soft overlong punishment whose buffer is not shorter than the response (it would penalise every response;
-   ``gtpo.verl_plugin.validation.check_overlong_shaping``, also run at the recipe's startup);
+   ``gtpo.launch.validation.check_overlong_shaping``, also run at the recipe's startup);
 5. verl's own ``verl.utils.config.validate_config``, called with ``use_reference_policy`` / ``use_critic`` computed
    as ``verl.trainer.main_ppo`` does;
 6. under ``separate_async``, the standalone rollout pool's replicas tile its GPUs.
 
 Then it prints the resolved configuration and a one-screen summary: the batch plan, the nodes the run needs
 (``trainer.nnodes`` + the standalone rollout pool's), the run length, the vocabulary-sized memory terms of the
-training and old-log-prob micro-batches (:mod:`gtpo.verl_plugin.memory_estimate`), whether this machine imports
+training and old-log-prob micro-batches (:mod:`gtpo.launch.memory_estimate`), whether this machine imports
 the checkpoint engine's transport (the real run and the preflight refuse it if not; the dry run only reports it,
 since a laptop is not the cluster's image) and the startup notes. Every failure is a ``ValueError`` naming the keys
 and values at fault.
 
-    python -m gtpo.verl_plugin.dry_run method=gtpo model=qwen2.5_7b      # same checks through Hydra's compose API
+    python -m gtpo.launch.dry_run method=gtpo model=qwen2.5_7b      # same checks through Hydra's compose API
 
-The module imports verl lazily, so ``import gtpo.verl_plugin.dry_run`` stays cheap.
+The module imports verl lazily, so ``import gtpo.launch.dry_run`` stays cheap.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from gtpo.verl_plugin.batch_plan import batch_plan, rollout_pool
+from gtpo.launch.batch_plan import batch_plan, rollout_pool
 
 __all__ = ["BEGIN_MARK", "END_MARK", "compose_config", "main", "run_dry"]
 
@@ -122,7 +122,7 @@ def _verl_validate(cfg: DictConfig) -> tuple[bool, bool, str]:
 
 def _checkpoint_engine_line(cfg: DictConfig) -> str:
     """Which transport the checkpoint engine imports and whether it imports on this machine."""
-    from gtpo.verl_plugin.async_checks import ENGINE_MODULES, check_checkpoint_engine
+    from gtpo.launch.async_checks import ENGINE_MODULES, check_checkpoint_engine
 
     backend = cfg.actor_rollout_ref.rollout.checkpoint_engine.backend
     modules = ENGINE_MODULES.get(str(backend), ())
@@ -149,9 +149,9 @@ def run_dry(config: DictConfig) -> None:
     _check_registries(cfg)
     from verl.trainer.ppo.utils import need_reference_policy
 
-    from gtpo.verl_plugin.async_checks import check_trainer_mode, startup_notes
-    from gtpo.verl_plugin.memory_estimate import memory_lines
-    from gtpo.verl_plugin.validation import check_overlong_shaping
+    from gtpo.launch.async_checks import check_trainer_mode, startup_notes
+    from gtpo.launch.memory_estimate import memory_lines
+    from gtpo.launch.validation import check_overlong_shaping
 
     plan = batch_plan(cfg, use_reference_policy=bool(need_reference_policy(cfg)))
     check_overlong_shaping(cfg)
@@ -240,7 +240,7 @@ def compose_config(overrides: Sequence[str], config_dir: str | Path | None = Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: ``python -m gtpo.verl_plugin.dry_run [--config-dir D] [--config-name N] override ...``."""
+    """CLI: ``python -m gtpo.launch.dry_run [--config-dir D] [--config-name N] override ...``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config-dir", default=None, help="default: recipe/gtpo/config of this repository")
     parser.add_argument("--config-name", default="gtpo_trainer")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gtpo.verl_plugin.checkpoints import (
+from gtpo.trainer.checkpoints import (
     ROLE_DIRS,
     CheckpointLayout,
     incomplete_reasons,
@@ -88,7 +88,7 @@ def check_resume_world_size(folder: str, nnodes: int, n_gpus_per_node: int) -> N
 def check_world_size_before_launch(trainer_cfg: Any, layout: CheckpointLayout) -> str | None:
     """The driver's early :func:`check_resume_world_size`, before Ray starts or a GPU is allocated: the folder a
     resume would load (``resume_path``: the named one; ``auto``: the tracker's when complete, else the newest complete
-    one, complete as ``layout`` says, :func:`gtpo.verl_plugin.checkpoints.layout_of`; read only, nothing rewritten).
+    one, complete as ``layout`` says, :func:`gtpo.trainer.checkpoints.layout_of`; read only, nothing rewritten).
     Returns the folder checked; None when there is nothing to check here (no
     resume, or the checkpoint folder is not visible from the driver: the trainer checks again before loading).
 

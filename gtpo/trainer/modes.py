@@ -1,4 +1,4 @@
-"""The recipe's three trainer modes: :class:`~gtpo.verl_plugin.trainer_mixin.GTPOTrainerMixin` on each v1 trainer.
+"""The recipe's three trainer modes: :class:`~gtpo.trainer.mixin.GTPOTrainerMixin` on each v1 trainer.
 
 * ``gtpo_sync`` on ``PPOTrainerSync``: generate, then train; weights synced every step.
 * ``gtpo_colocate_async`` on ``PPOTrainerColocateAsync``: partial rollout on the training GPUs. Generation runs
@@ -29,7 +29,7 @@ from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from gtpo.verl_plugin.trainer_mixin import RECIPE_ESTIMATORS, GTPOTrainerMixin
+from gtpo.trainer.mixin import RECIPE_ESTIMATORS, GTPOTrainerMixin
 
 __all__ = [
     "RECIPE_ESTIMATORS",

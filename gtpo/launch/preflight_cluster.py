@@ -1,4 +1,4 @@
-"""Preflight checks 9-12 (:mod:`gtpo.verl_plugin.preflight`): the cluster the run will meet, from each node's report.
+"""Preflight checks 9-12 (:mod:`gtpo.launch.preflight`): the cluster the run will meet, from each node's report.
 
 :func:`node_report` runs once on every node (a Ray task pinned to it; :class:`RayCluster`) or on this machine alone
 (:class:`LocalCluster`, no ``RAY_ADDRESS``); the checks read the reports: ``ray cluster`` (GPU nodes and GPUs per
@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from gtpo.verl_plugin.preflight_checks import PreflightError
+from gtpo.launch.preflight_checks import PreflightError
 
 __all__ = ["LocalCluster", "RayCluster", "node_report", "check_cluster", "check_shared", "check_driver",
            "check_interfaces", "wanted_interfaces", "MIN_DRIVER_VERSION", "NODE_TIMEOUT_S"]  # fmt: skip
@@ -118,7 +118,7 @@ class RayCluster:
 
 
 def check_cluster(cfg: DictConfig, nodes: list[dict[str, Any]], remote: bool) -> str:
-    from gtpo.verl_plugin.batch_plan import rollout_pool
+    from gtpo.launch.batch_plan import rollout_pool
 
     trainer_nodes, want_gpus = int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node)
     pool_nodes, pool_gpus = rollout_pool(cfg) or (0, 0)

@@ -1,10 +1,10 @@
-"""Preflight checks 1-8 (:mod:`gtpo.verl_plugin.preflight`): what the composed config, the data, the model and this
+"""Preflight checks 1-8 (:mod:`gtpo.launch.preflight`): what the composed config, the data, the model and this
 machine say, each a short function returning its ``ok`` line or raising :class:`PreflightError`.
 
 ``config`` (the recipe's validation and the whole dry run), ``overlong buffer``, ``train data`` / ``val data``,
 ``run length``, ``model``, ``trackers`` (and the ``warn`` lines of relative log folders). The checkpoint cadence and
-folder are two lines of :func:`gtpo.verl_plugin.preflight.run_preflight` itself; the cluster's checks (9-12) are
-:mod:`gtpo.verl_plugin.preflight_cluster`.
+folder are two lines of :func:`gtpo.launch.preflight.run_preflight` itself; the cluster's checks (9-12) are
+:mod:`gtpo.launch.preflight_cluster`.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ def as_list(value: Any) -> list[str]:
 
 
 def check_config(cfg: DictConfig, env: dict[str, str]) -> str:
-    from gtpo.verl_plugin.async_checks import check_checkpoint_engine
-    from gtpo.verl_plugin.dry_run import run_dry
-    from gtpo.verl_plugin.startup_checks import check_cpu_backend
-    from gtpo.verl_plugin.validation import validate_recipe_config
+    from gtpo.launch.async_checks import check_checkpoint_engine
+    from gtpo.launch.dry_run import run_dry
+    from gtpo.launch.validation import validate_recipe_config
+    from gtpo.trainer.startup_checks import check_cpu_backend
 
     try:
         validate_recipe_config(cfg)
@@ -57,7 +57,7 @@ def check_config(cfg: DictConfig, env: dict[str, str]) -> str:
 
 
 def check_overlong(cfg: DictConfig) -> str:
-    from gtpo.verl_plugin.validation import check_overlong_shaping
+    from gtpo.launch.validation import check_overlong_shaping
 
     buffer = OmegaConf.select(cfg, "reward.reward_kwargs.overlong_buffer_cfg")
     if not buffer or not buffer.get("enable", False):

@@ -8,7 +8,7 @@ What happens (every trainer mode, every method):
 * **A stop request** arrives as one of ``algorithm.preemption.signals`` (SIGUSR1 and SIGTERM by default) sent to the
   driver (``python -m recipe.gtpo.main_gtpo``), which relays it through Ray's internal key-value store to the
   trainer in the TaskRunner actor, wherever that runs (:class:`DriverRelay`); or as ``python -m
-  gtpo.verl_plugin.preemption request`` run on any node of the cluster (a Kubernetes preStop hook).
+  gtpo.trainer.preemption request`` run on any node of the cluster (a Kubernetes preStop hook).
 * **A deadline**: the job's end (``algorithm.preemption.deadline``: ``auto`` reads Slurm's ``SLURM_JOB_END_TIME``, or
   ``squeue -h -j $SLURM_JOB_ID -o %e`` where Slurm does not set it (22.05); or a Unix time / ISO 8601 time for any
   scheduler). It is read again after every step, so ``scontrol update JobId=<id> TimeLimit=...`` takes effect. When
@@ -297,13 +297,13 @@ class DriverRelay:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m gtpo.verl_plugin.preemption",
+        prog="python -m gtpo.trainer.preemption",
         description="Ask every gtpo trainer on a Ray cluster to save after its step in flight and exit "
         f"{EXIT_CODE} (e.g. from a Kubernetes preStop hook).",
     )
     parser.add_argument("command", choices=["request"])
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"), help="the cluster [auto]")
-    parser.add_argument("--reason", default="python -m gtpo.verl_plugin.preemption request")
+    parser.add_argument("--reason", default="python -m gtpo.trainer.preemption request")
     parser.add_argument(
         "--wait", type=float, default=0.0, metavar="S", help="then wait up to S seconds for the trainer's save [0]"
     )

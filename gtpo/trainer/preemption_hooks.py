@@ -1,4 +1,4 @@
-"""The trainer's side of preemption (:mod:`gtpo.verl_plugin.preemption`): where in verl's step loop it saves and stops.
+"""The trainer's side of preemption (:mod:`gtpo.trainer.preemption`): where in verl's step loop it saves and stops.
 
 verl 0.9.1's ``fit`` runs, per step: ``on_step_begin``, the step, the periodic save, ``on_step_end`` (the weight sync
 to the rollout), validation, metrics, ``logger.log``. :class:`TrainerStop` is called from the mixin's
@@ -14,7 +14,7 @@ import contextlib
 import os
 import time
 
-from gtpo.verl_plugin.preemption import (
+from gtpo.trainer.preemption import (
     CLUSTER_KEY,
     EXIT_CODE,
     SAVED_KEY,
@@ -44,7 +44,7 @@ class TrainerStop:
         self._started = clock()
         self._keys = (job_key(job_id if job_id is not None else current_job_id()), CLUSTER_KEY)
         self._requests = requests or self._stored_request
-        # tells `python -m gtpo.verl_plugin.preemption request --wait` (a preStop hook) that the save is complete
+        # tells `python -m gtpo.trainer.preemption request --wait` (a preStop hook) that the save is complete
         self._announce = announce or (lambda message: put_request(SAVED_KEY, message))
         self.reason: str | None = None  # why the run stops, once decided
         self.stop_after: int | None = None  # the step after which the run stops

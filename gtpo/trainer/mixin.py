@@ -16,7 +16,7 @@ recipe's estimators (``gtpo``, ``grpo_s``, ``gtpo_traj``) it:
 Each call also logs how much of the batch it saw, ``<estimator>/estimator_rows`` (responses) and
 ``<estimator>/estimator_groups`` (prompts), ``<estimator>/estimator_calls_total`` (calls per step), and the groups
 that failed rollout sessions left short of ``rollout.n`` (``<estimator>/min_group_size``, ``<estimator>/short_groups``;
-``algorithm.groups.refuse_short`` fails the step instead: :mod:`gtpo.verl_plugin.group_sizes`): under
+``algorithm.groups.refuse_short`` fails the step instead: :mod:`gtpo.trainer.group_sizes`): under
 ``separate_async`` verl's step calls the advantage computation once per ``parameter_sync_step`` slice, so the
 batch-scope statistics cover a slice, not the step (verl's metrics aggregator averages the first two over the calls
 and sums the third). The forking loss's ``scope=batch`` threshold logs ``forking/batch_scope_rows`` likewise.
@@ -35,12 +35,12 @@ policy versions (partial rollout: aborted at a weight sync, resumed with the new
 returns no entropy. The estimators therefore use the entropy recomputed by verl's old-log-prob pass, i.e. of the
 policy about to be updated (pi_old, one version for the whole response; under ``separate_async`` the version saved
 at the start of the ``parameter_sync_step`` cycle). Rollout correction's ``bypass_mode`` skips that pass, so it is
-refused at startup for the recipe's estimators (:mod:`gtpo.verl_plugin.async_checks`). Beside the estimator's
+refused at startup for the recipe's estimators (:mod:`gtpo.launch.async_checks`). Beside the estimator's
 metrics, every step logs the staleness verl measures, as ``<estimator>/trajectory_staleness_{mean,max}`` and
 ``<estimator>/trajectory_spans_max`` (0, 0 and 1 under the sync trainer).
 
 The mixin is a plain class: it must come first in the bases, before one of verl's trainers
-(:mod:`gtpo.verl_plugin.trainer`).
+(:mod:`gtpo.trainer.modes`).
 """
 
 from __future__ import annotations
@@ -60,18 +60,11 @@ from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_
 from verl.utils.debug import marked_timer
 from verl.workers.utils.padding import response_to_nested
 
-from gtpo.verl_plugin import (
-    checkpoint_state,
-    checkpoint_world_size,
-    checkpoints,
-    forking,
-    metric_history,
-    startup_checks,
-    watchdog,
-)
-from gtpo.verl_plugin.dynamic_sampling import bound_generation_rounds
-from gtpo.verl_plugin.group_sizes import GroupParams, group_size_metrics
-from gtpo.verl_plugin.preemption_trainer import TrainerStop
+from gtpo.trainer import checkpoint_state, checkpoint_world_size, checkpoints, metric_history, startup_checks, watchdog
+from gtpo.trainer.dynamic_sampling import bound_generation_rounds
+from gtpo.trainer.group_sizes import GroupParams, group_size_metrics
+from gtpo.trainer.preemption_hooks import TrainerStop
+from gtpo.verl_plugin import forking
 
 # Estimators registered by this recipe that take the extra keyword arguments.
 RECIPE_ESTIMATORS = frozenset({"gtpo", "grpo_s", "gtpo_traj"})
