@@ -56,7 +56,7 @@ def machine(device: str = "cpu") -> str:
         desc += f", GPU {torch.cuda.get_device_name(0)}"
     try:
         load = os.getloadavg()[0]
-        desc += f", load avg {load:.1f} at start"
+        desc += f", 1-minute load average {load:.1f} when written"
     except OSError:
         pass
     return desc

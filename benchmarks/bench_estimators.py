@@ -318,6 +318,7 @@ def main() -> int:
         if c not in CASES:
             p.error(f"unknown case {c!r}; choose from {list(CASES)}")
     thread_counts = [int(t) for part in (args.threads or []) for t in part.split(",") if t] or [None]
+    args.load_at_start = os.getloadavg()[0]
     bw = copy_bandwidth(args.device)
     print(f"copy bandwidth ({args.device}): {bw / 1e9:.1f} GB/s (read + write bytes)")
     by_threads = {threads: measure(cases, sizes, args, bw, threads) for threads in thread_counts}
@@ -399,7 +400,8 @@ def ratio_table(by_threads: dict) -> str:
 def write_results(args, cases, bw, table, threads, suffix="", title="") -> None:
     legend = "\n".join(f"- `{k}`: {v[0]}; floor bytes = {v[1]} x B x L" for k, v in CASES.items() if k in cases)
     body = (
-        f"### {C.stamp()}\n\n`{C.command_line()}`  \nMachine: {C.machine(args.device)}  \n"
+        f"### {C.stamp()}\n\n`{C.command_line()}`  \nMachine: {C.machine(args.device)} "
+        f"({args.load_at_start:.1f} at the start of the run)  \n"
         f"Copy bandwidth (read + write): {bw / 1e9:.1f} GB/s; {args.repeats} timed runs per case (median), "
         f"each case in its own process; peak MB = RSS high-water above the resident inputs.\n\n{legend}\n\n{table}\n"
     )

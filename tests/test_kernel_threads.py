@@ -1,9 +1,10 @@
 """The kernels' row sums, and that an estimator's CPU path leaves torch's OpenMP pool alone.
 
-A torch op that runs as an OpenMP parallel region leaves the pool's worker spinning after it (libgomp's default
-wait policy); a kernel started right after it on Python threads then shares the second core with that worker and
-gains nothing from it. The sequence rewards, GROP's lengths and the group statistics therefore run on the kernels'
-threads or in numpy. The check counts the CPU time of torch's OpenMP worker thread while the adapters run.
+A torch op that runs as an OpenMP parallel region (a row sum, even a ``[NG]`` sqrt or a gather of a few thousand
+rows) leaves the pool's worker spinning after it (libgomp's default wait policy); a kernel started right after it on
+Python threads then shares the second core with that worker and gains nothing from it. The sequence rewards, GROP's
+lengths, the group statistics and the per-row gathers therefore run on the kernels' threads or in numpy. The check
+counts the CPU time of torch's OpenMP worker thread while the adapters run.
 """
 
 from __future__ import annotations
@@ -74,9 +75,10 @@ def ticks():
 
 sys.path.insert(0, os.getcwd())
 from benchmarks.bench_estimators import make_call, make_inputs
-inp = make_inputs(512, 2048, "cpu", True)
+rows, length = map(int, sys.argv[1].split("x"))
+inp = make_inputs(rows, length, "cpu", True)
 out = {"workers": len(workers)}
-for case in sys.argv[1:]:
+for case in sys.argv[2:]:
     call = make_call(case, inp)
     call()
     start = ticks()
@@ -87,14 +89,16 @@ print(json.dumps(out))
 """
 
 
-def test_estimators_leave_torchs_openmp_pool_idle():
+@pytest.mark.parametrize("size", ["512x2048", "8192x256"])
+def test_estimators_leave_torchs_openmp_pool_idle(size):
     """Ten calls of each adapter at two threads: torch's OpenMP worker gets at most one clock tick (10 ms) of CPU.
 
-    Before the row sums and the group statistics left torch, the worker spun for several milliseconds per call.
+    Before the row sums, the group statistics and GROP's per-row gathers left torch, the worker spun for several
+    milliseconds per call (512 rows: the sums, the sqrt, a small output; 8192 rows: also every ``x[gid]``).
     """
     cases = ["gtpo_zero_fill", "gtpo_grop", "gtpo_split", "grpo_s", "gtpo_traj"]
     proc = subprocess.run(
-        [sys.executable, "-c", _PROBE, *cases], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", _PROBE, size, *cases], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -17,6 +17,7 @@ __all__ = [
     "group_ids",
     "segment_sum",
     "group_mean_std",
+    "per_row",
     "masked_group_mean_std",
 ]
 
@@ -50,12 +51,24 @@ def group_ids(index: Sequence | np.ndarray | torch.Tensor) -> tuple[torch.Tensor
     return gid, int(order.size)
 
 
+def _on_numpy(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and not t.requires_grad for t in tensors)
+
+
 def _sqrt(x: torch.Tensor) -> torch.Tensor:
     """``x.sqrt()``; on CPU through numpy, because torch runs even a ``[NG]`` sqrt as an OpenMP parallel region, whose
     pool then spins on the cores a compiled kernel started right after needs."""
-    if x.device.type != "cpu" or x.requires_grad:
-        return x.sqrt()
-    return torch.from_numpy(np.sqrt(x.detach().numpy()))
+    return torch.from_numpy(np.sqrt(x.numpy())) if _on_numpy(x) else x.sqrt()
+
+
+def per_row(values: torch.Tensor, gid: torch.Tensor) -> torch.Tensor:
+    """``values[gid]``: each row's entry of a per-group ``[NG, ...]`` tensor, as ``[B, ...]``.
+
+    On CPU through numpy, for the reason of :func:`_sqrt` (torch gathers a few thousand rows on its OpenMP pool).
+    """
+    if _on_numpy(values, gid):
+        return torch.from_numpy(values.numpy()[gid.numpy()])
+    return values[gid]
 
 
 def segment_sum(x: torch.Tensor, gid: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -92,7 +105,7 @@ def group_mean_std(
     w = torch.ones_like(v) if valid is None else valid.to(torch.float64)
     count = segment_sum(w, gid, num_groups)
     mean = segment_sum(v * w, gid, num_groups) / count.clamp(min=1)
-    centred = (v - mean[gid]) * w
+    centred = (v - per_row(mean, gid)) * w
     denom = (count - 1).clamp(min=1) if unbiased else count.clamp(min=1)
     std = _sqrt(segment_sum(centred * centred, gid, num_groups) / denom)
     std = torch.where(count > 1, std, torch.zeros_like(std))

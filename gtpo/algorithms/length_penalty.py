@@ -34,7 +34,7 @@ from numbers import Real
 import torch
 
 from gtpo.algorithms.dapo import overlong_reward
-from gtpo.algorithms.group_ops import segment_sum
+from gtpo.algorithms.group_ops import per_row, segment_sum
 
 __all__ = ["GROPParams", "grop_penalty", "grop_knee_and_target"]
 
@@ -116,10 +116,11 @@ def grop_knee_and_target(
     hard = ~easy & (frac <= 1.0 - gamma1 + _FRAC_TOL)
     medium = ~easy & ~hard
     # Rows entering the knee: the correct ones in an easy group, all rows otherwise.
-    in_knee = torch.where(easy[gid], c, torch.ones_like(c))
+    in_knee = torch.where(per_row(easy, gid), c, torch.ones_like(c))
     inf = torch.full((num_groups,), math.inf, dtype=torch.float64, device=ell.device)
-    lo = inf.scatter_reduce(0, gid[in_knee], ell[in_knee], reduce="amin", include_self=True)
-    hi = (-inf).scatter_reduce(0, gid[in_knee], ell[in_knee], reduce="amax", include_self=True)
+    # rows outside the knee give +inf to the min and -inf to the max (no boolean gather, which torch runs in parallel)
+    lo = inf.scatter_reduce(0, gid, torch.where(in_knee, ell, math.inf), reduce="amin", include_self=True)
+    hi = (-inf).scatter_reduce(0, gid, torch.where(in_knee, ell, -math.inf), reduce="amax", include_self=True)
     cnt = segment_sum(in_knee.to(torch.float64), gid, num_groups)
     mean = segment_sum(torch.where(in_knee, ell, 0.0), gid, num_groups) / cnt.clamp(min=1)
     has = cnt > 0
@@ -127,8 +128,8 @@ def grop_knee_and_target(
     knee = torch.maximum(torch.maximum(mid, torch.where(has, mean, 1.0)), torch.ones_like(mid))
     knee = torch.where(hard, torch.ones_like(knee), knee)
     more_correct = n > size - n
-    target_medium = torch.where(more_correct[gid], c, ~c if medium_penalise_incorrect else torch.zeros_like(c))
-    target = torch.where(easy[gid], c, torch.where(medium[gid], target_medium, torch.zeros_like(c)))
+    target_medium = torch.where(per_row(more_correct, gid), c, ~c if medium_penalise_incorrect else torch.zeros_like(c))
+    target = torch.where(per_row(easy, gid), c, torch.where(per_row(medium, gid), target_medium, torch.zeros_like(c)))
     case = torch.where(easy, 2, torch.where(medium, 1, 0)).to(torch.long)
     return knee, target, case
 
@@ -171,12 +172,12 @@ def grop_penalty(
     medium_incorrect = params is not None and params.medium_penalise_incorrect
     knee, target, case = grop_knee_and_target(lengths, correct, gid, num_groups, float(gamma1), medium_incorrect)
     ell = lengths.detach().to(torch.float64)
-    k = knee[gid.to(torch.long)]
+    k = per_row(knee, gid.to(torch.long))
     ramp = -0.5 * (ell - k) / k
     pen = torch.where(ell <= k, torch.zeros_like(ell), torch.where(ell < 2.0 * k, ramp, torch.full_like(ell, -0.5)))
     pen = torch.where(target, pen, torch.zeros_like(pen))
     if params is not None and params.hard_mode == "dapo":
-        hard = case[gid.to(torch.long)] == 0
+        hard = per_row(case, gid.to(torch.long)) == 0
         dapo = overlong_reward(ell, params.dapo_max_length, params.dapo_buffer_length).to(torch.float64)
         pen = torch.where(hard, dapo, pen)
     return pen

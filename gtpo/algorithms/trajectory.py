@@ -65,7 +65,7 @@ from gtpo.algorithms.conflict_tokens import (
     conflict_weights,
     run_conflict_counts,
 )
-from gtpo.algorithms.group_ops import group_mean_std, segment_sum
+from gtpo.algorithms.group_ops import group_mean_std, per_row, segment_sum
 from gtpo.algorithms.kernel_support import kernel_failed, load_kernel
 from gtpo.algorithms.trajectory_params import ADV_NORMS, GTPOTrajParams
 
@@ -107,11 +107,11 @@ def centred_advantages(
     mean, std, _ = group_mean_std(r, gid, num_groups, unbiased=True)
     gmax = torch.full((num_groups,), -math.inf, dtype=torch.float64).scatter_reduce(0, gid, r, "amax")
     gmin = torch.full((num_groups,), math.inf, dtype=torch.float64).scatter_reduce(0, gid, r, "amin")
-    zero_var = (gmax == gmin)[gid]
-    centred = torch.where(zero_var, torch.zeros_like(r), r - mean[gid])
+    zero_var = per_row(gmax == gmin, gid)
+    centred = torch.where(zero_var, torch.zeros_like(r), r - per_row(mean, gid))
     centred = torch.where(centred.abs() <= 1e-8, torch.zeros_like(r), centred)
     polarity = torch.sign(centred).to(torch.int8)
-    adv = centred / (std[gid] + eps) if adv_norm == "std" else centred
+    adv = centred / (per_row(std, gid) + eps) if adv_norm == "std" else centred
     return adv.to(torch.float32), polarity, zero_var
 
 
