@@ -127,6 +127,7 @@ def test_separate_async_on_two_nodes_checkpoints_stops_on_sigterm_and_resumes(
     assert (ckpt / "global_step_6" / "transfer_queue").is_dir()
 
 
+@pytest.mark.slow  # the default tier's budget; the watchdog's own tests (tests/test_watchdog.py) stay in it
 def test_a_wedged_standalone_replica_fails_the_sync_within_its_limit_naming_the_stage(
     ray_cluster, tiny_assets, tmp_path
 ):
