@@ -169,3 +169,17 @@ def test_tiny_sweep_through_verl_writes_the_table_and_the_figure(ray_cluster, tm
     assert "| grpo_s_zero_fill | 1/1 |" in table
     png = (out / "rewards.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_the_sweeps_own_cluster_is_a_new_local_one(monkeypatch):
+    import ray
+
+    seen = {}
+
+    class Context:
+        address_info = {"gcs_address": "127.0.0.1:1"}
+
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw) or Context())
+    monkeypatch.setattr(compare.os, "environ", dict(compare.os.environ))  # start_local_ray writes the CPU env
+    assert compare.start_local_ray(2) == "127.0.0.1:1"
+    assert seen["address"] == "local" and seen["num_gpus"] == 2

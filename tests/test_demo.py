@@ -409,3 +409,21 @@ def test_an_unknown_method_is_one_line_naming_presets_and_estimators(capsys):
     assert "registered advantage estimator (gae," in err and "Traceback" not in err
     # a registered estimator without a preset still runs as one
     assert demo.method_overrides("rloo") == ["algorithm.adv_estimator=rloo"]
+
+
+def test_a_local_run_starts_its_own_ray_even_when_a_gone_cluster_is_recorded(monkeypatch, tmp_path):
+    """A node killed without ``ray stop`` leaves its address in ``<tmp>/ray/ray_current_cluster``; ``ray.init()``
+    without an address would join it (and refuse the trainer's num_cpus). The trainer's environment says "local"."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    from gtpo.cpu.demo_trainer import trainer_env
+
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("192.0.2.2:42289")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert canonicalize_bootstrap_address(None) is not None  # what verl's ray.init() would join
+    monkeypatch.setenv("RAY_ADDRESS", trainer_env()["RAY_ADDRESS"])
+    assert canonicalize_bootstrap_address(None) is None  # a new local instance
+    joined = trainer_env("10.0.0.1:6379")
+    assert joined["RAY_ADDRESS"] == "10.0.0.1:6379" and joined["RAY_AUTH_MODE"] == "disabled"

@@ -229,6 +229,10 @@ def zeroed_output(rows: int, cols: int) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(buf, dtype=np.float32).reshape(rows, cols))
 
 
+# what the row-sum kernel reads as it is (bool as bytes); other dtypes are summed by torch
+_ROW_SUM_DTYPES = (torch.float32, torch.float64, torch.bool, torch.uint8, torch.int32, torch.int64)
+
+
 def row_sums(values: torch.Tensor) -> torch.Tensor:
     """``values.sum(-1)`` of a ``[B, L]`` tensor, detached: the sequence reward of ``token_level_rewards``, the length
     of ``response_mask``. On CPU it runs on the kernels' threads, not on torch's OpenMP pool
@@ -243,9 +247,6 @@ def row_sums(values: torch.Tensor) -> torch.Tensor:
             except kernel.CompileError as err:
                 kernel_failed("row_sums_kernel", err)
     return x.sum(-1, dtype=x.dtype if x.dtype.is_floating_point else torch.float64)
-
-
-_ROW_SUM_DTYPES = (torch.float32, torch.float64, torch.bool, torch.uint8, torch.int32, torch.int64)
 
 
 def as_numpy_mask(mask: torch.Tensor) -> np.ndarray:

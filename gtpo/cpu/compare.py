@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -199,8 +200,6 @@ def provenance(model_dir: str) -> dict:
     except (OSError, ValueError):
         model = {}
     try:
-        import subprocess
-
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
         ).stdout.strip()

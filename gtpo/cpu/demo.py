@@ -336,12 +336,7 @@ def run_demo(
     if rollout_dir.is_dir():
         shutil.rmtree(rollout_dir)
     print(f"[{label}] method={method} steps={steps} seed={seed}; trainer log: {log_path}", flush=True)
-    env = trainer_env()
-    if ray_address:
-        env.update(RAY_ADDRESS=ray_address, RAY_AUTH_MODE="disabled")
-    else:
-        # verl's ray.init() would otherwise join the cluster /tmp/ray/ray_current_cluster names, even one that has gone
-        env["RAY_ADDRESS"] = "local"
+    env = trainer_env(ray_address)
     t0 = time.monotonic()
     rc = run_trainer_with_progress(
         cmd, cwd=REPO_ROOT, env=env, log_path=log_path, metrics_path=metrics_path, total_steps=steps,

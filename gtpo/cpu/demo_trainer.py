@@ -151,12 +151,18 @@ def trainer_command(method: str, overrides: list[str], metrics_path: str | os.Pa
     ]
 
 
-def trainer_env() -> dict[str, str]:
-    """This process's environment plus the CPU backend's variables."""
+def trainer_env(ray_address: str | None = None) -> dict[str, str]:
+    """This process's environment plus the CPU backend's variables, and the Ray cluster the trainer joins:
+    ``ray_address``, or a new local one (``RAY_ADDRESS=local``; without it verl's ``ray.init()`` would join the
+    cluster ``/tmp/ray/ray_current_cluster`` names, even one that has gone)."""
     from gtpo.cpu import env as cpu_env
 
     env = dict(os.environ)
     env.update(cpu_env())
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("WANDB_MODE", "disabled")
+    if ray_address:
+        env.update(RAY_ADDRESS=ray_address, RAY_AUTH_MODE="disabled")
+    else:
+        env["RAY_ADDRESS"] = "local"
     return env
