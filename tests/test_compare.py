@@ -83,6 +83,74 @@ def test_resume_keeps_only_runs_that_finished_the_same_method_and_seed(tmp_path)
     assert compare.finished_run(tmp_path / "missing", "gtpo", 1, steps=3) is None
 
 
+def test_run_record_holds_the_series_and_resume_keeps_recorded_runs(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    _write_metrics(metrics, [0.0, 0.5, 1.0], entropy=[3.0, 2.0, 1.0], step_s=[9, 2, 2])
+    run = compare.run_record(metrics, {"seed": 1, "returncode": 0, "wall_s": 9.0}, window=1, target=0.8)
+    assert run["reward"] == [0.0, 0.5, 1.0] and run["entropy"] == [3.0, 2.0, 1.0]
+    overrides = ("algorithm.gtpo.norm_mode=joint",)
+    results = {
+        "steps": 3,
+        "configurations": {
+            "gtpo_joint": {
+                "method": "gtpo",
+                "overrides": list(overrides),
+                "runs": [run, {**run, "seed": 0, "returncode": 1}],
+            }
+        },
+    }
+    assert compare.recorded_run(results, "gtpo_joint", "gtpo", overrides, seed=1, steps=3) is run
+    assert compare.recorded_run(results, "gtpo_joint", "gtpo", overrides, seed=0, steps=3) is None  # it failed
+    assert compare.recorded_run(results, "gtpo_joint", "gtpo", overrides, seed=1, steps=4) is None
+    assert compare.recorded_run(results, "gtpo_joint", "gtpo", (), seed=1, steps=3) is None
+    assert compare.recorded_run(results, "gtpo_joint", "grpo", overrides, seed=1, steps=3) is None
+    assert compare.recorded_run(results, "grpo", "grpo", (), seed=1, steps=3) is None
+    without_series = {**run, "reward": []}
+    results["configurations"]["gtpo_joint"]["runs"] = [without_series]
+    assert compare.recorded_run(results, "gtpo_joint", "gtpo", overrides, seed=1, steps=3) is None
+
+
+def test_a_sweep_continues_from_a_copied_results_json_alone(tmp_path, monkeypatch):
+    # results.json of an earlier sweep, without its run folders: --resume keeps its runs and trains only the rest
+    earlier = tmp_path / "earlier"
+    for seed, rewards in ((0, [0.0, 0.5, 1.0]), (1, [0.0, 0.25, 0.75])):
+        _write_metrics(earlier / f"s{seed}.jsonl", rewards, entropy=[3, 2, 1], step_s=[9, 2, 2])
+    runs = [
+        compare.run_record(earlier / f"s{s}.jsonl", {"seed": s, "returncode": 0, "wall_s": 9.0}, 1, 0.8) for s in (0, 1)
+    ]
+    out = tmp_path / "sweep"
+    out.mkdir()
+    results = {
+        "task": "say_digit",
+        "steps": 3,
+        "configurations": {"grpo": {"method": "grpo", "overrides": [], "runs": runs}},
+    }
+    out.joinpath("results.json").write_text(json.dumps(results))
+    trained = []
+
+    def fake_run_demo(assets, method, steps, seed, run_out, overrides, **kwargs):
+        trained.append((method, seed))
+        _write_metrics(run_out / "metrics.jsonl", [0.0, 1.0, 1.0], entropy=[3, 1, 1], step_s=[9, 1, 1])
+        return {"method": method, "seed": seed, "returncode": 0, "wall_s": 5.0}
+
+    monkeypatch.setattr(compare, "build_demo_assets", lambda *a, **k: type("A", (), {"model_dir": str(tmp_path)}))
+    monkeypatch.setattr(compare, "start_local_ray", lambda *a, **k: "local")
+    monkeypatch.setattr(compare, "run_demo", fake_run_demo)
+    argv = ["--configs", "grpo,dapo", "--seeds", "2", "--steps", "3", "--window", "1", "--resume", "--out", str(out)]
+    assert compare.main(argv) == 0
+    assert trained == [("dapo", 0), ("dapo", 1)]
+    written = json.loads(out.joinpath("results.json").read_text())
+    assert written["configurations"]["grpo"]["runs"] == runs
+    assert written["wall_s"] == 9.0 * 2 + 5.0 * 2
+    series = out / "grpo" / "s1" / "series.jsonl"
+    assert [json.loads(line)["data"][demo.REWARD_KEY] for line in series.read_text().splitlines()] == [0, 0.25, 0.75]
+    assert out.joinpath("rewards.png").read_bytes()[:4] == b"\x89PNG"
+    # a results.json of another task is not resumed from
+    trained.clear()
+    assert compare.main([*argv, "--task", "second_word"]) == 0
+    assert trained == [("grpo", 0), ("grpo", 1), ("dapo", 0), ("dapo", 1)]
+
+
 def test_provenance_names_the_rollout_model_and_versions(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_attention_heads": 2, "x": 1}))
     record = compare.provenance(str(tmp_path))

@@ -17,7 +17,9 @@ running one): the Ray start-up is paid once, and every run is its own Ray job wh
 Written into ``--out``: ``<configuration>/s<seed>/`` (the demo's ``metrics.jsonl``, ``train.log``, ``summary.json``),
 ``results.json`` (with the rollout, model, versions and commit that produced it), ``results.md`` and ``rewards.png``
 (reward and entropy per step of every configuration: the mean over seeds with a min-max band, by
-``python -m gtpo.viz curves``). ``--resume`` keeps the runs of a stopped sweep that finished.
+``python -m gtpo.viz curves``). ``--resume`` keeps the runs of a stopped sweep that finished: a run folder whose
+``summary.json`` and ``metrics.jsonl`` show every step with exit 0, or a complete run recorded in ``--out/results.json``
+(every run record holds its per-step reward and entropy, so a sweep continues from a copied ``results.json`` alone).
 
 Per configuration the table gives the mean reward
 of the first and of the last ``--window`` steps (mean +- std over seeds), the first step whose trailing
@@ -83,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=None, help="asset cache (default $GTPO_CACHE_DIR or ~/.cache/gtpo/tiny)")
     p.add_argument("--list", action="store_true", help="print the configurations and exit")
     p.add_argument(
-        "--resume", action="store_true", help="keep every run in --out that finished all --steps with exit 0"
+        "--resume",
+        action="store_true",
+        help="keep every run in --out (its folder or results.json) that finished all --steps with exit 0",
     )
     p.add_argument(
         "--replot", action="store_true", help="redraw results.md and rewards.png from --out/results.json; no training"
@@ -105,7 +109,8 @@ def parse_configs(text: str) -> list[str]:
 
 def run_record(metrics_path: Path, summary: dict, window: int, target: float) -> dict:
     """One run's row: exit code and wall time from ``summary``; rewards, entropy and s/step from its metrics."""
-    rewards = summarize(load_rewards(metrics_path), window, target)
+    reward_series = load_rewards(metrics_path)
+    rewards = summarize(reward_series, window, target)
     records = [data for _, data in file_logger_records(metrics_path)] if metrics_path.is_file() else []
     entropy = [d[ENTROPY_KEY] for d in records if isinstance(d.get(ENTROPY_KEY), int | float)]
     step_s = [d[STEP_TIME_KEY] for d in records[1:] if isinstance(d.get(STEP_TIME_KEY), int | float)]
@@ -119,7 +124,39 @@ def run_record(metrics_path: Path, summary: dict, window: int, target: float) ->
         "step_reaching_target": rewards.get("step_reaching_target"),
         "final_entropy": statistics.fmean(entropy[-window:]) if entropy else None,
         "s_per_step": statistics.fmean(step_s) if step_s else None,
+        # the per-step series, so results.json alone can redraw the figure and --resume can keep the run
+        "reward": [round(v, 5) for _, v in reward_series],
+        "entropy": [round(v, 5) for v in entropy],
     }
+
+
+def recorded_run(results: dict, name: str, method: str, overrides: tuple[str, ...], seed: int, steps: int) -> dict:
+    """The run record of ``name``/``seed`` in an earlier ``results.json`` that trained the same method, overrides and
+    task for all ``steps`` with exit 0 and kept its series; None otherwise."""
+    cfg = results.get("configurations", {}).get(name, {})
+    if cfg.get("method") != method or tuple(cfg.get("overrides", ())) != overrides or results.get("steps") != steps:
+        return None
+    for run in cfg.get("runs", []):
+        complete = run.get("returncode") == 0 and run.get("steps") == steps and len(run.get("reward", ())) == steps
+        if run.get("seed") == seed and complete:
+            return run
+    return None
+
+
+def series_path(run_out: Path, run: dict) -> Path:
+    """The run's own ``metrics.jsonl``, or, for a run kept from ``results.json`` only, ``series.jsonl`` written from
+    its recorded reward and entropy series in verl's file-logger format (what ``gtpo.viz curves`` reads)."""
+    metrics = run_out / "metrics.jsonl"
+    if metrics.is_file() or not run.get("reward"):
+        return metrics
+    run_out.mkdir(parents=True, exist_ok=True)
+    path = run_out / "series.jsonl"
+    entropy = run.get("entropy") or []
+    with path.open("w") as f:
+        for i, reward in enumerate(run["reward"]):
+            data = {REWARD_KEY: reward, **({ENTROPY_KEY: entropy[i]} if i < len(entropy) else {})}
+            f.write(json.dumps({"step": i + 1, "data": data}) + "\n")
+    return path
 
 
 def _mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
@@ -181,6 +218,15 @@ def finished_run(run_out: Path, method: str, seed: int, steps: int) -> dict | No
     complete = summary.get("returncode") == 0 and logged == list(range(1, steps + 1))
     same = summary.get("method") == method and summary.get("seed") == seed
     return summary if complete and same else None
+
+
+def read_earlier_results(out: Path, task: str) -> dict:
+    """``out/results.json`` of an earlier sweep of the same task (for ``--resume``), or ``{}``."""
+    try:
+        results = json.loads((out / "results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return results if results.get("task", DEFAULT_TASK) == task else {}
 
 
 def provenance(model_dir: str) -> dict:
@@ -272,7 +318,7 @@ def replot(out: Path) -> dict[str, str]:
         raise FileNotFoundError(f"--replot: {path} does not exist (run the sweep with --out {out} first)")
     results = json.loads(path.read_text())
     seeds_paths = [
-        (name, out / name / f"s{run['seed']}" / "metrics.jsonl")
+        (name, series_path(out / name / f"s{run['seed']}", run))
         for name, cfg in results["configurations"].items()
         for run in cfg["runs"]
     ]
@@ -308,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
+    earlier = read_earlier_results(out, args.task) if args.resume else {}
     seeds = list(range(args.seeds))
     assets = {s: build_demo_assets(args.cache_dir, seed=s, task=args.task) for s in seeds}
     address = args.ray_address or start_local_ray(args.gpus_per_node)
@@ -331,16 +378,20 @@ def main(argv: list[str] | None = None) -> int:
         for seed in seeds:
             run_out = out / name / f"s{seed}"
             summary = finished_run(run_out, method, seed, args.steps) if args.resume else None
+            recorded = recorded_run(earlier, name, method, overrides, seed, args.steps) if summary is None else None
             if summary is not None:
                 print(f"[compare] {name} s{seed}: kept the finished run in {run_out}", flush=True)
-            summary = summary or run_demo(
-                assets[seed], method, args.steps, seed, run_out, list(overrides), timeout=args.timeout,
-                ray_address=address, label=f"{name} s{seed}", plots=False, experiment=f"{name}_s{seed}",
-                nnodes=args.nnodes, gpus_per_node=args.gpus_per_node,
-            )  # fmt: skip
-            rec = run_record(run_out / "metrics.jsonl", summary, args.window, args.target)
+            elif recorded is not None:
+                print(f"[compare] {name} s{seed}: kept the run recorded in {out / 'results.json'}", flush=True)
+            if recorded is None:
+                summary = summary or run_demo(
+                    assets[seed], method, args.steps, seed, run_out, list(overrides), timeout=args.timeout,
+                    ray_address=address, label=f"{name} s{seed}", plots=False, experiment=f"{name}_s{seed}",
+                    nnodes=args.nnodes, gpus_per_node=args.gpus_per_node,
+                )  # fmt: skip
+            rec = recorded or run_record(run_out / "metrics.jsonl", summary, args.window, args.target)
             runs.append(rec)
-            seeds_paths.append((name, run_out / "metrics.jsonl"))
+            seeds_paths.append((name, series_path(run_out, rec)))
             if rec["returncode"] != 0:
                 print(f"[compare] {name} seed {seed} failed (exit {rec['returncode']}); see {run_out / 'train.log'}")
         results["configurations"][name] = {
