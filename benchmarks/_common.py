@@ -124,3 +124,13 @@ def write_section(name: str, title: str, body: str, path: Path = RESULTS) -> Non
     else:
         text = text.rstrip("\n") + "\n\n" + block
     path.write_text(text)
+
+
+def report(name: str, title: str, text: str, write: bool = True) -> str:
+    """``text`` under a stamped heading with the command line and the machine: printed, and written as section
+    ``name`` of RESULTS.md unless ``write`` is false; returns the section's body."""
+    body = f"### {stamp()}\n\n`{command_line()}`  \nMachine: {machine()}  \n{text}"
+    print(body)
+    if write:
+        write_section(name, title, body)
+    return body

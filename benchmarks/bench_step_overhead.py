@@ -131,16 +131,13 @@ def main() -> int:
             f"{100 * r['adv_s'] / r['step_s']:.2f} % |"
         )
     table = "\n".join(lines)
-    body = (
-        f"### {C.stamp()}\n\n`{C.command_line()}`  \nMachine: {C.machine()}  \n"
+    text = (
         f"Trainer: `{g['cmd']}` vs `{t['cmd']}` (CPU demo settings, seed {args.seed}, steps {args.warmup + 1}.."
         f"{args.steps} timed).\n\n{table}\n\n"
         f"- step time ratio gtpo / grpo: **{ratio:.3f}** (includes generation noise)\n"
         f"- GTPO overhead estimate (adv_gtpo - adv_grpo) / step_grpo: **{100 * overhead:.2f} %** (goal <= 3 %)\n"
     )
-    print(body)
-    if not args.no_write:
-        C.write_section("step-overhead", "Step overhead (CPU tiny-model trainer)", body)
+    C.report("step-overhead", "Step overhead (CPU tiny-model trainer)", text, write=not args.no_write)
     return 0
 
 

@@ -354,7 +354,7 @@ def test_demo_learns(ray_cluster, assets, tmp_path):
         *demo.method_overrides("gtpo"),
         *demo.demo_overrides(assets, E2E_STEPS, 0, tmp_path / "rollouts", method="gtpo"),
     ]
-    result = run_recipe(ray_cluster, tmp_path, overrides, timeout=420, name="demo")
+    result = run_recipe(ray_cluster, tmp_path, overrides, timeout=900, name="demo")
     assert result.returncode == 0, tail(result.log)
     rewards = [v for _, v in demo.load_rewards(tmp_path / "demo.metrics.jsonl")]
     assert len(rewards) == E2E_STEPS, tail(result.log)
