@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -135,13 +136,28 @@ def test_a_sweep_continues_from_a_copied_results_json_alone(tmp_path, monkeypatc
 
     monkeypatch.setattr(compare, "build_demo_assets", lambda *a, **k: type("A", (), {"model_dir": str(tmp_path)}))
     monkeypatch.setattr(compare, "start_local_ray", lambda *a, **k: "local")
-    monkeypatch.setattr(compare, "run_demo", fake_run_demo)
+
+    def stopped_at_dapo_seed_1(assets, method, steps, seed, run_out, overrides, **kwargs):
+        if (method, seed) == ("dapo", 1):
+            raise KeyboardInterrupt  # the sweep is stopped during its last run
+        return fake_run_demo(assets, method, steps, seed, run_out, overrides, **kwargs)
+
+    monkeypatch.setattr(compare, "run_demo", stopped_at_dapo_seed_1)
     argv = ["--configs", "grpo,dapo", "--seeds", "2", "--steps", "3", "--window", "1", "--resume", "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        compare.main(argv)
+    assert trained == [("dapo", 0)]
+    stopped = json.loads(out.joinpath("results.json").read_text())
+    assert [r["seed"] for r in stopped["configurations"]["dapo"]["runs"]] == [0]  # every finished run is recorded
+    shutil.rmtree(out / "dapo")  # and results.json alone carries it on
+    trained.clear()
+    monkeypatch.setattr(compare, "run_demo", fake_run_demo)
     assert compare.main(argv) == 0
-    assert trained == [("dapo", 0), ("dapo", 1)]
+    assert trained == [("dapo", 1)]
     written = json.loads(out.joinpath("results.json").read_text())
     assert written["configurations"]["grpo"]["runs"] == runs
     assert written["wall_s"] == 9.0 * 2 + 5.0 * 2
+    assert [r["seed"] for r in written["configurations"]["dapo"]["runs"]] == [0, 1]
     series = out / "grpo" / "s1" / "series.jsonl"
     assert [json.loads(line)["data"][demo.REWARD_KEY] for line in series.read_text().splitlines()] == [0, 0.25, 0.75]
     assert out.joinpath("rewards.png").read_bytes()[:4] == b"\x89PNG"

@@ -17,9 +17,10 @@ running one): the Ray start-up is paid once, and every run is its own Ray job wh
 Written into ``--out``: ``<configuration>/s<seed>/`` (the demo's ``metrics.jsonl``, ``train.log``, ``summary.json``),
 ``results.json`` (with the rollout, model, versions and commit that produced it), ``results.md`` and ``rewards.png``
 (reward and entropy per step of every configuration: the mean over seeds with a min-max band, by
-``python -m gtpo.viz curves``). ``--resume`` keeps the runs of a stopped sweep that finished: a run folder whose
-``summary.json`` and ``metrics.jsonl`` show every step with exit 0, or a complete run recorded in ``--out/results.json``
-(every run record holds its per-step reward and entropy, so a sweep continues from a copied ``results.json`` alone).
+``python -m gtpo.viz curves``), the last three rewritten after every run. ``--resume`` keeps the runs of a stopped
+sweep that finished: a run folder whose ``summary.json`` and ``metrics.jsonl`` show every step with exit 0, or a
+complete run recorded in ``--out/results.json`` (every run record holds its per-step reward and entropy, so a sweep
+continues from a copied ``results.json`` alone).
 
 Per configuration the table gives the mean reward
 of the first and of the last ``--window`` steps (mean +- std over seeds), the first step whose trailing
@@ -394,16 +395,18 @@ def main(argv: list[str] | None = None) -> int:
             seeds_paths.append((name, series_path(run_out, rec)))
             if rec["returncode"] != 0:
                 print(f"[compare] {name} seed {seed} failed (exit {rec['returncode']}); see {run_out / 'train.log'}")
-        results["configurations"][name] = {
-            "method": method,
-            "overrides": list(overrides),
-            "runs": runs,
-            "aggregate": aggregate(runs, args.steps),
-        }
-        results["sweep_wall_s"] = round(time.monotonic() - t0, 1)
-        # the runs' own wall time, the same whether or not --resume kept some of them
-        results["wall_s"] = round(sum(r["wall_s"] for c in results["configurations"].values() for r in c["runs"]), 1)
-        write_outputs(out, results, seeds_paths)  # after every configuration: a stopped sweep keeps its table
+            results["configurations"][name] = {
+                "method": method,
+                "overrides": list(overrides),
+                "runs": runs,
+                "aggregate": aggregate(runs, args.steps),
+            }
+            results["sweep_wall_s"] = round(time.monotonic() - t0, 1)
+            # the runs' own wall time, the same whether or not --resume kept some of them
+            results["wall_s"] = round(
+                sum(r["wall_s"] for c in results["configurations"].values() for r in c["runs"]), 1
+            )
+            write_outputs(out, results, seeds_paths)  # after every run: a stopped sweep keeps every finished run
     written = write_outputs(out, results, seeds_paths)
     print(markdown_table(results))
     listing = ", ".join(f"{k}: {v}" for k, v in written.items())
