@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             results["wall_s"] = round(
                 sum(r["wall_s"] for c in results["configurations"].values() for r in c["runs"]), 1
             )
-            write_outputs(out, results, seeds_paths)  # after every run: a stopped sweep keeps every finished run
-    written = write_outputs(out, results, seeds_paths)
+            # after every run: a stopped sweep keeps every finished run (the last call wrote the final files)
+            written = write_outputs(out, results, seeds_paths)
     print(markdown_table(results))
     listing = ", ".join(f"{k}: {v}" for k, v in written.items())
     print(f"[compare] runs' wall time {results['wall_s'] / 60:.1f} min; {listing}")
