@@ -24,7 +24,8 @@ Every (case, size) runs in its own subprocess: ``time`` is the median over ``--r
 ``peak MB`` the RSS high-water mark of the runs above the resident inputs (CPU; ``/proc/self/clear_refs`` reset
 after the inputs are built) or ``torch.cuda.max_memory_allocated`` above the inputs (CUDA). ``floor`` is the bytes
 the estimator must at least read and write (e.g. gtpo: rewards, mask, entropy in; advantages, returns out; all
-float32, token ids int64) over the copy bandwidth measured at the start of the same run.
+float32, token ids int64) over the copy bandwidth measured in the same run at the same thread count (one thread
+moves fewer bytes per second than two: the floor of a one-thread row is the one-thread bandwidth's).
 
 Sizes: paper A's scale (128 prompts x 16 = 2048 responses of up to 4096 tokens; 6144 with a longer budget) and DAPO's
 (512 x 16 = 8192 responses of up to 20480 tokens).
@@ -217,8 +218,21 @@ def worker(case: str, b: int, length: int, device: str, repeats: int, threads: i
     return {"median_s": statistics.median(times), "min_s": min(times), "times": times, "peak_mb": peak}
 
 
-def copy_bandwidth(device: str, mb: int = 512) -> float:
-    """Copy bandwidth in bytes/s, counting read + write bytes (median of 7 copies of an ``mb`` MiB tensor)."""
+def copy_bandwidth(device: str, threads: int | None = None, mb: int = 512) -> float:
+    """Copy bandwidth in bytes/s, counting read + write bytes (median of 7 copies of an ``mb`` MiB tensor), on
+    ``threads`` torch threads (default: as set)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _copy_bandwidth(device, mb)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _copy_bandwidth(device: str, mb: int) -> float:
     import torch
 
     n = mb * 2**20 // 4
@@ -319,19 +333,22 @@ def main() -> int:
             p.error(f"unknown case {c!r}; choose from {list(CASES)}")
     thread_counts = [int(t) for part in (args.threads or []) for t in part.split(",") if t] or [None]
     args.load_at_start = os.getloadavg()[0]
-    bw = copy_bandwidth(args.device)
-    print(f"copy bandwidth ({args.device}): {bw / 1e9:.1f} GB/s (read + write bytes)")
-    by_threads = {threads: measure(cases, sizes, args, bw, threads) for threads in thread_counts}
+    by_threads, bws = {}, {}
+    for threads in thread_counts:
+        bws[threads] = copy_bandwidth(args.device, threads)
+        print(f"copy bandwidth ({args.device}, {threads or 'default'} thread(s)): {bws[threads] / 1e9:.1f} GB/s "
+              "(read + write bytes)", flush=True)  # fmt: skip
+        by_threads[threads] = measure(cases, sizes, args, bws[threads], threads)
     for threads, rows in by_threads.items():
         table = result_table(rows)
         print(f"\n{threads or 'default'} thread(s)\n{table}")
         if not args.no_write:
-            write_results(args, cases, bw, table, threads)
+            write_results(args, cases, {threads: bws[threads]}, table, threads)
     if len(thread_counts) > 1:
         ratios = ratio_table(by_threads)
         print(f"\nratio to grpo_vec (grpo) per thread count\n{ratios}")
         if not args.no_write:
-            write_results(args, cases, bw, ratios, None, suffix="-ratios", title=" ratios per thread count")
+            write_results(args, cases, bws, ratios, None, suffix="-ratios", title=" ratios per thread count")
     return 0
 
 
@@ -397,12 +414,14 @@ def ratio_table(by_threads: dict) -> str:
     return "\n".join(lines)
 
 
-def write_results(args, cases, bw, table, threads, suffix="", title="") -> None:
+def write_results(args, cases, bws: dict, table, threads, suffix="", title="") -> None:
+    """Write one table into RESULTS.md; ``bws`` maps each thread count of the table to its copy bandwidth."""
+    bandwidth = ", ".join(f"{bw / 1e9:.1f} GB/s" + (f" at {t} thread(s)" if t else "") for t, bw in bws.items())
     legend = "\n".join(f"- `{k}`: {v[0]}; floor bytes = {v[1]} x B x L" for k, v in CASES.items() if k in cases)
     body = (
         f"### {C.stamp()}\n\n`{C.command_line()}`  \nMachine: {C.machine(args.device)} "
         f"({args.load_at_start:.1f} at the start of the run)  \n"
-        f"Copy bandwidth (read + write): {bw / 1e9:.1f} GB/s; {args.repeats} timed runs per case (median), "
+        f"Copy bandwidth (read + write): {bandwidth}; {args.repeats} timed runs per case (median), "
         f"each case in its own process; peak MB = RSS high-water above the resident inputs.\n\n{legend}\n\n{table}\n"
     )
     name = "estimators-cuda" if args.device.startswith("cuda") else "estimators-cpu"

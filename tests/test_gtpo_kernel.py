@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest -q tests/test_gtpo_kernel.py
 
 Every mode and scope, conflict weights, GROP-like offsets with alpha1 != 1, masks with holes, every mask dtype,
-threads, the huge-page outputs, the fallback to the definition and the compile-time diagnostic.
+threads, the recycled large outputs, the fallback to the definition and the compile-time diagnostic.
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ def test_two_threads_equal_one(monkeypatch, weight_scope, norm_scope):
 
 
 def test_large_output_is_zero_on_padding():
-    """A batch whose output takes the huge-page mapping (> 8 MB): padding keeps the mapping's zeros."""
+    """A batch whose output takes the recycled mapping (> 8 MB), written over a freed output of the same size whose
+    every element was non-zero: padding is written back to zeros."""
     gen = torch.Generator().manual_seed(0)
     rows, length = 1200, 2048
     lengths = torch.randint(0, length + 1, (rows,), generator=gen)
@@ -121,7 +122,14 @@ def test_large_output_is_zero_on_padding():
     entropy = torch.where(mask.bool(), torch.rand(rows, length, generator=gen), float("nan"))
     rewards = torch.where(torch.rand(rows, generator=gen) < 0.4, 1.0, 0.0)
     gid = torch.arange(rows) % 75
+    kernel_support._OUTPUTS.clear()
+    full, _ = gtpo_token_advantages(torch.rand(rows, length, generator=gen) + 0.1, torch.ones(rows, length), rewards,
+                                    gid, 75)  # fmt: skip
+    assert torch.count_nonzero(full) == full.numel()
+    address = full.data_ptr()
+    del full
     adv, diag = gtpo_token_advantages(entropy, mask, rewards, gid, 75)
+    assert adv.data_ptr() == address
     ref, ref_diag = gtpo_token_reference(entropy, mask, rewards, gid, 75)
     torch.testing.assert_close(adv, ref, rtol=1e-5, atol=1e-6)
     assert torch.count_nonzero(adv[~mask.bool()]) == 0

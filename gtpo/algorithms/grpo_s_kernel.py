@@ -13,7 +13,7 @@ advantages and diagnostics, tested against it, in one read of the entropy and th
    then the group normalisation of ``norm_mode`` (``zero_fill``: the r^+ field and the r^- field with their zeros;
    ``joint``: the signed r^), a field with fewer than two responses or ``std <= zero_var_rtol * mean|field|`` being
    constant (advantage 0).
-3. :func:`_broadcast` (per row): the advantage on every valid token; padding keeps the output's zeros.
+3. :func:`_broadcast` (per row): the advantage on every valid token, 0 on padding.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from gtpo.algorithms.kernel_support import (
     JIT_OPTIONS,
     as_numpy_mask,
     compile_timer,
+    kernel_output,
     num_threads,
     run_blocks,
-    zeroed_output,
 )
 from gtpo.algorithms.shaping_inputs import check_token_values
 
@@ -141,7 +141,8 @@ def _sequence_advantages(hsum, n, neg, base, gid, num_groups, b1, b2, eps, joint
 
 @njit(**JIT_OPTIONS)
 def _broadcast(M, lo, hi, n, last, adv, out):
-    """``out[i, t] = adv[i]`` on the valid tokens of rows ``lo:hi``."""
+    """``out[i, t] = adv[i]`` on the valid tokens of rows ``lo:hi``, 0 on every other position of those rows."""
+    length = out.shape[1]
     for i in range(lo, hi):
         a = adv[i]
         o = out[i]
@@ -152,6 +153,8 @@ def _broadcast(M, lo, hi, n, last, adv, out):
             m_row = M[i]
             for t in range(last[i] + 1):
                 o[t] = a if m_row[t] != 0 else 0.0
+        for t in range(last[i] + 1, length):
+            o[t] = 0.0
 
 
 def grpo_s_kernel(entropy, response_mask, correct, base, gid, num_groups, params):
@@ -196,7 +199,7 @@ def _grpo_s(entropy, response_mask, correct, base, gid, num_groups, params):
     hbar, shaped, adv_seq = np.zeros(b), np.zeros(b), np.zeros(b)
     _sequence_advantages(hsum, n, neg, base, gid, num_groups, b1, b2, eps, params.norm_mode == "joint",
                          params.std == "unbiased", float(params.zero_var_rtol), hbar, shaped, adv_seq)  # fmt: skip
-    out = zeroed_output(b, length)
+    out = kernel_output(b, length)
     o = out.numpy()
     run_blocks(_broadcast, b, threads, lambda lo, hi, w: (M, lo, hi, n, last, adv_seq, o), n)
     diag = _diagnostics(correct.numpy(), n > 0, gid, num_groups, base, hbar, shaped, adv_seq, b1, b2)

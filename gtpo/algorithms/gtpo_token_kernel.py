@@ -54,9 +54,9 @@ from gtpo.algorithms.gtpo_token_sets import _closed_form, _group_scopes
 from gtpo.algorithms.kernel_support import (
     as_numpy_mask,
     compile_timer,
+    kernel_output,
     num_threads,
     run_blocks,
-    zeroed_output,
 )
 from gtpo.algorithms.shaping_inputs import check_token_values
 
@@ -120,7 +120,7 @@ class _Batch:
         self.g, self.k = np.zeros(b), np.zeros(b)
         self.fwd, self.bwd = np.zeros(b, np.int64), np.zeros(b, np.int64)
         self.lam = np.where(self.neg, float(params.conflict_lam_neg), float(params.conflict_lam_pos))
-        self.out = zeroed_output(b, length)
+        self.out = kernel_output(b, length)
         self.threads = num_threads(b)
         self.diag: dict[str, float] = {}
 

@@ -241,7 +241,7 @@ def _emit_dense(h_row, stop, negative, eps, c, g, k, o):
 
 @njit(**JIT_OPTIONS)
 def _write(H, M, rows, neg, c, eps, tol, g, k, n, last, fwd, bwd, lam, out, rdiag):
-    """Pass 2: ``adv = (g_i + k_i c_t v_t) * lambda_{i,t}`` on the valid tokens (padding keeps its zeros).
+    """Pass 2: ``adv = (g_i + k_i c_t v_t) * lambda_{i,t}`` on the valid tokens, 0 on every other position.
 
     ``lambda`` is ``lam[i]`` on the first ``fwd[i]`` and the last ``bwd[i]`` valid columns (the conflict runs), 1
     elsewhere. ``rdiag[i] = (sum adv, sum |adv|, #adv > 0, #adv < 0)``.
@@ -249,7 +249,9 @@ def _write(H, M, rows, neg, c, eps, tol, g, k, n, last, fwd, bwd, lam, out, rdia
     v = np.empty(H.shape[1])
     for i in rows:
         lst = last[i]
-        if lst < 0:
+        o = out[i]
+        if lst < 0:  # no valid token
+            o[:] = 0.0
             continue
         dense = n[i] == lst + 1
         q = 1 if neg[i] else 0
@@ -257,7 +259,7 @@ def _write(H, M, rows, neg, c, eps, tol, g, k, n, last, fwd, bwd, lam, out, rdia
         gi = g[i]
         ki = k[i]
         if dense and fwd[i] == 0 and bwd[i] == 0:  # the common row: one loop from the entropy to the output
-            total, size, pos, negs = _emit_dense(H[i], lst + 1, q == 1, eps, cq, gi, ki, out[i])
+            total, size, pos, negs = _emit_dense(H[i], lst + 1, q == 1, eps, cq, gi, ki, o)
         else:
             _values(H[i], M[i], lst + 1, dense, q == 1, eps, tol, v)
             for t in range(lst + 1):
@@ -270,7 +272,8 @@ def _write(H, M, rows, neg, c, eps, tol, g, k, n, last, fwd, bwd, lam, out, rdia
                 v[t] *= lam[i]
             for t in range(max(lst + 1 - bwd[i], 0), lst + 1):
                 v[t] *= lam[i]
-            total, size, pos, negs = _emit(v, lst + 1, out[i])
+            total, size, pos, negs = _emit(v, lst + 1, o)
+        o[lst + 1 :] = 0.0
         rdiag[i, 0] = total
         rdiag[i, 1] = size
         rdiag[i, 2] = pos

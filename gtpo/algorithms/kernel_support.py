@@ -23,9 +23,9 @@ calls the kernel for CPU tensors and the definition otherwise. This module decid
   thread taken from a queue (:func:`row_shares`).
 - Row sums: :func:`row_sums` (the sequence rewards, the response lengths) sums over positions on the same threads,
   not on torch's OpenMP pool, whose spinning threads would otherwise share the cores with the kernel that follows.
-- Outputs: :func:`zeroed_output` allocates the ``[B, L]`` float32 outputs as fresh anonymous memory (zero-filled by
-  the OS) advised for transparent huge pages: first touching 2 MB pages instead of 4 KB ones removes most of the
-  page-fault time of writing a new ``[B, L]`` tensor, and the kernels never write the zeros of right padding.
+- Outputs: :func:`kernel_output` gives the ``[B, L]`` float32 outputs, large ones advised for transparent huge
+  pages and recycled once freed (first touching fresh pages costs page faults, which a virtual machine serialises
+  across threads); the write passes therefore write every element, the zeros of padding included.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ import os
 import tempfile
 import threading
 import warnings
+import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
@@ -44,7 +46,7 @@ import numpy as np
 import torch
 
 __all__ = ["load_kernel", "kernel_failed", "compile_timer", "num_threads", "run_threads", "row_shares", "blocks",
-           "run_blocks", "zeroed_output", "as_numpy_mask", "row_sums", "JIT_OPTIONS"]  # fmt: skip
+           "run_blocks", "kernel_output", "as_numpy_mask", "row_sums", "JIT_OPTIONS"]  # fmt: skip
 
 # Options of every njit kernel: cached on disk, GIL released, numpy's error model (no Python division-by-zero check,
 # which would stop LLVM from vectorising the loops) and the fast-math flags that allow reordering sums; never
@@ -56,7 +58,7 @@ JIT_OPTIONS = {
     "fastmath": {"reassoc", "contract", "arcp", "nsz"},
 }
 
-# Outputs smaller than this come from numpy.zeros; larger ones from huge-page-advised memory.
+# Outputs smaller than this come from numpy.empty; larger ones from recycled huge-page-advised memory.
 _HUGE_OUTPUT_BYTES = 8 << 20
 
 _MODULES: dict[str, ModuleType | None] = {}
@@ -212,21 +214,66 @@ def run_blocks(fn: Callable, rows: int, threads: int, args: Callable, tokens: np
             f.result()
 
 
-def zeroed_output(rows: int, cols: int) -> torch.Tensor:
-    """A ``[rows, cols]`` float32 CPU tensor of zeros for a kernel to write (it may leave padding untouched).
+class _OutputPool:
+    """The memory of freed kernel outputs, kept for the next output of the same size.
 
-    Large outputs are anonymous private mappings (zero pages until written) advised for transparent huge pages;
-    small ones come from ``numpy.zeros``.
+    A new ``[B, L]`` output is fresh anonymous memory, and writing it first costs a page fault per page: on a
+    virtual machine those faults do not run in parallel, so the write pass got slower with a second thread. The
+    advantages of one training step are freed before the next step computes its own, so each estimator call after
+    the first writes into memory that is already mapped. A buffer returns here when the last tensor or view of it
+    is freed (a finaliser on the array the tensor wraps), so memory in use is never handed out twice. At most
+    :attr:`keep` free buffers are held (one per output a call makes); the memory held is the size of one step's
+    advantages.
     """
-    nbytes = rows * cols * 4
-    if nbytes < _HUGE_OUTPUT_BYTES:  # numpy's zeros: torch.zeros would fill on the OpenMP pool
-        return torch.from_numpy(np.zeros((rows, cols), dtype=np.float32))
+
+    keep = 2
+
+    def __init__(self) -> None:
+        self._free: deque[mmap.mmap] = deque()
+
+    def take(self, nbytes: int) -> mmap.mmap:
+        while True:  # a buffer of this size, else a new mapping; free ones of other sizes are dropped as seen
+            try:
+                buf = self._free.popleft()
+            except IndexError:
+                return _new_mapping(nbytes)
+            if len(buf) == nbytes:
+                return buf
+
+    def give_back(self, buf: mmap.mmap) -> None:
+        if len(self._free) < self.keep:
+            self._free.append(buf)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+_OUTPUTS = _OutputPool()
+
+
+def _new_mapping(nbytes: int) -> mmap.mmap:
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         buf.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):  # no THP support: ordinary pages
         pass
-    return torch.from_numpy(np.frombuffer(buf, dtype=np.float32).reshape(rows, cols))
+    return buf
+
+
+def kernel_output(rows: int, cols: int) -> torch.Tensor:
+    """A ``[rows, cols]`` float32 CPU tensor for a kernel's write pass, which must write every element of it.
+
+    Small outputs come from ``numpy.empty``; larger ones (from 8 MB) are anonymous mappings advised for transparent
+    huge pages and recycled through :class:`_OutputPool` once freed, so their contents are whatever the last output
+    held.
+    """
+    nbytes = rows * cols * 4
+    if nbytes < _HUGE_OUTPUT_BYTES:  # numpy's allocation: torch.empty of this size is no faster, torch.zeros fills
+        return torch.from_numpy(np.empty((rows, cols), dtype=np.float32))
+    buf = _OUTPUTS.take(nbytes)
+    arr = np.frombuffer(buf, dtype=np.float32).reshape(rows, cols)
+    weakref.finalize(arr, _OUTPUTS.give_back, buf)
+    return torch.from_numpy(arr)
 
 
 # what the row-sum kernel reads as it is (bool as bytes); other dtypes are summed by torch

@@ -27,10 +27,10 @@ from gtpo.algorithms.kernel_support import (
     JIT_OPTIONS,
     as_numpy_mask,
     compile_timer,
+    kernel_output,
     num_threads,
     run_blocks,
     run_threads,
-    zeroed_output,
 )
 
 __all__ = ["conflict_runs", "gtpo_traj_kernel", "CompileError"]
@@ -137,8 +137,9 @@ def _row_sums(H, M, lo, hi, n, last, hsum):
 
 @njit(**JIT_OPTIONS)
 def _write(M, lo, hi, n, last, scale, lam_c, fwd, bwd, out):
-    """``adv_{i,t} = scale_i * lambda_{i,t}`` on the valid tokens of rows ``lo:hi`` (padding keeps its zeros)."""
+    """``adv_{i,t} = scale_i * lambda_{i,t}`` on the valid tokens of rows ``lo:hi``, 0 on every other position."""
     one = np.float32(1.0)
+    length = out.shape[1]
     for i in range(lo, hi):
         lst = last[i]
         a = scale[i]
@@ -155,6 +156,8 @@ def _write(M, lo, hi, n, last, scale, lam_c, fwd, bwd, out):
             o[t] = (lc * (lc if t > lst - bwd[i] else one)) * a
         for t in range(max(lst + 1 - bwd[i], fwd[i]), lst + 1):
             o[t] = lc * a
+        for t in range(lst + 1, length):
+            o[t] = 0.0
 
 
 def gtpo_traj_kernel(response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini):
@@ -215,7 +218,7 @@ def _gtpo_traj(response_mask, responses, entropy, gid, num_groups, params, adv, 
     lam_c = np.where(pol > 0, params.lam_pos, params.lam_neg).astype(np.float32)
     lam_c = np.where(pol == 0, np.float32(1.0), lam_c)
 
-    out = zeroed_output(b, length)
+    out = kernel_output(b, length)
     o = out.numpy()
     run_blocks(_write, b, threads, lambda lo, hi, w: (M, lo, hi, n, last, scale, lam_c, f_len, b_len, o), n)
 

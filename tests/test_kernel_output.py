@@ -1,0 +1,148 @@
+"""The kernels' outputs (gtpo/algorithms/kernel_support.py, ``kernel_output``): every element written, memory recycled.
+
+    .venv/bin/python -m pytest -q tests/test_kernel_output.py
+
+A kernel's output is not zeroed memory: a large one is the memory of an earlier output, freed and kept for the next
+call. So each write pass must write every element of its rows, the zeros of padding and of empty rows included.
+Here the outputs are handed out full of NaN, and each estimator must still equal its float64 definition; and a
+recycled buffer is never one that a tensor or view still holds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gtpo.algorithms import grpo_s_kernel, gtpo_token_kernel, kernel_support, trajectory_kernel
+from gtpo.algorithms.entropy_shaping import grpo_s_advantages, gtpo_token_advantages
+from gtpo.algorithms.grpo_s import grpo_s_reference
+from gtpo.algorithms.gtpo_token import gtpo_token_reference
+from gtpo.algorithms.shaping_params import GRPOSParams, GTPOParams
+from gtpo.algorithms.trajectory import centred_advantages, gtpo_traj_advantages, gtpo_traj_reference
+from gtpo.algorithms.trajectory_params import GTPOTrajParams
+from tests.test_gtpo_kernel import assert_same, random_batch
+from tests.test_trajectory import _random_traj_batch
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch):
+    """Every kernel output starts as NaN; returns the list of outputs handed out."""
+    handed = []
+
+    def garbage(rows, cols):
+        out = torch.full((rows, cols), float("nan"))
+        handed.append(out)
+        return out
+
+    for module in (gtpo_token_kernel, grpo_s_kernel, trajectory_kernel):
+        monkeypatch.setattr(module, "kernel_output", garbage)
+    return handed
+
+
+@pytest.fixture
+def empty_pool():
+    kernel_support._OUTPUTS.clear()
+    yield kernel_support._OUTPUTS
+    kernel_support._OUTPUTS.clear()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {},
+        {"norm_mode": "split"},
+        {"norm_mode": "joint", "norm_scope": "group"},
+        {"weight_scope": "group"},
+        {"weight_scope": "group", "norm_scope": "group"},
+        {"conflict_mask": True},
+        {"conflict_mask": True, "weight_scope": "group"},
+    ],
+)
+def test_gtpo_writes_every_element(nan_outputs, monkeypatch, knobs, threads):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    entropy, mask, rewards, gid, groups, responses, offset = random_batch(5, groups=40, length=29, holes=True)
+    assert (mask.sum(-1) == 0).any()  # empty rows, dense rows and rows with holes
+    params = GTPOParams(**knobs)
+    got = gtpo_token_advantages(entropy, mask, rewards, gid, groups, params, offset, responses)
+    assert len(nan_outputs) == 1 and got[0].data_ptr() == nan_outputs[0].data_ptr()  # the kernel wrote it
+    assert_same(got, gtpo_token_reference(entropy, mask, rewards, gid, groups, params, offset, responses))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("norm_mode", ["zero_fill", "joint"])
+def test_grpo_s_writes_every_element(nan_outputs, monkeypatch, norm_mode, threads):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    entropy, mask, rewards, gid, groups, _, offset = random_batch(6, groups=40, length=29, holes=True)
+    params = GRPOSParams(norm_mode=norm_mode)
+    adv, _ = grpo_s_advantages(entropy, mask, rewards, gid, groups, params, reward_offset=offset)
+    ref, _ = grpo_s_reference(entropy, mask, rewards, gid, groups, params, reward_offset=offset)
+    assert len(nan_outputs) == 1
+    torch.testing.assert_close(adv, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gtpo_traj_writes_every_element(nan_outputs, seed):
+    scores, mask, ids, ent, gid, ng = _random_traj_batch(seed)
+    params = GTPOTrajParams(tau=0.6 if seed % 2 else math.inf, lam_neg=0.5)
+    out = gtpo_traj_advantages(scores, mask, ids, ent, gid, ng, params, 0.5)
+    adv, pol, zv = centred_advantages(scores, gid, ng, params.adv_norm, params.eps)
+    ref = gtpo_traj_reference(mask, ids, ent, gid, ng, params, adv, pol, zv, 0.5)
+    assert len(nan_outputs) == 1
+    torch.testing.assert_close(out.advantages, ref.advantages, rtol=1e-6, atol=1e-7)
+
+
+def _large_grpo_s_batch(seed, rows=1024, length=2048):
+    """A batch whose ``[rows, length]`` float32 output (8 MB) takes the recycled mapping."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, length + 1, (rows,), generator=gen)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).float()
+    entropy = torch.where(mask.bool(), torch.rand(rows, length, generator=gen), float("nan"))
+    rewards = torch.where(torch.rand(rows, generator=gen) < 0.4, 1.0, 0.0)
+    gid = torch.arange(rows) % 64
+    return entropy, mask, rewards, gid, 64
+
+
+def test_a_freed_output_is_recycled_and_fully_rewritten(empty_pool):
+    first = _large_grpo_s_batch(0)
+    adv, _ = grpo_s_advantages(*first)
+    assert adv.numel() * 4 >= kernel_support._HUGE_OUTPUT_BYTES
+    address = adv.data_ptr()
+    del adv
+    assert len(empty_pool._free) == 1
+    second = _large_grpo_s_batch(1)  # other lengths: the first output's values sit on the second's padding
+    adv, _ = grpo_s_advantages(*second)
+    assert adv.data_ptr() == address
+    torch.testing.assert_close(adv, grpo_s_reference(*second)[0], rtol=1e-6, atol=1e-6)
+    assert torch.count_nonzero(adv[second[1] == 0]) == 0
+
+
+def test_an_output_in_use_is_never_handed_out_again(empty_pool):
+    batch = _large_grpo_s_batch(2)
+    adv, _ = grpo_s_advantages(*batch)
+    kept = adv[3:7].clone()
+    view = adv[3:7]  # a view holds the memory as the tensor does
+    address = adv.data_ptr()
+    del adv
+    assert len(empty_pool._free) == 0
+    again, _ = grpo_s_advantages(*_large_grpo_s_batch(3))
+    assert again.data_ptr() != address
+    assert torch.equal(view, kept)
+    del view
+    assert len(empty_pool._free) == 1
+    del again
+    assert len(empty_pool._free) == 2  # two outputs freed; the pool keeps at most two
+
+
+def test_the_pool_keeps_at_most_two_buffers_and_drops_other_sizes(empty_pool):
+    outputs = [kernel_support.kernel_output(1024, 2048) for _ in range(4)]
+    assert len({o.data_ptr() for o in outputs}) == 4
+    del outputs
+    assert len(empty_pool._free) == empty_pool.keep == 2
+    other = kernel_support.kernel_output(1024, 4096)  # another size: the free buffers are dropped, a new mapping made
+    assert other.shape == (1024, 4096) and len(empty_pool._free) == 0
+    small = kernel_support.kernel_output(3, 5)  # under 8 MB: numpy's allocation, never pooled
+    del small
+    assert len(empty_pool._free) == 0
