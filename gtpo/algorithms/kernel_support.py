@@ -24,8 +24,8 @@ calls the kernel for CPU tensors and the definition otherwise. This module decid
 - Row sums: :func:`row_sums` (the sequence rewards, the response lengths) sums over positions on the same threads,
   not on torch's OpenMP pool, whose spinning threads would otherwise share the cores with the kernel that follows.
 - Outputs: :func:`kernel_output` gives the ``[B, L]`` float32 outputs, large ones advised for transparent huge
-  pages and recycled once freed (first touching fresh pages costs page faults, which a virtual machine serialises
-  across threads); the write passes therefore write every element, the zeros of padding included.
+  pages and recycled once freed (writing fresh memory also faults in every page, which did not get faster with a
+  second thread); the write passes therefore write every element, the zeros of padding included.
 """
 
 from __future__ import annotations
@@ -217,8 +217,9 @@ def run_blocks(fn: Callable, rows: int, threads: int, args: Callable, tokens: np
 class _OutputPool:
     """The memory of freed kernel outputs, kept for the next output of the same size.
 
-    A new ``[B, L]`` output is fresh anonymous memory, and writing it first costs a page fault per page: on a
-    virtual machine those faults do not run in parallel, so the write pass got slower with a second thread. The
+    A new ``[B, L]`` output is fresh anonymous memory, and writing it first faults in every page: measured on a
+    2-core virtual machine, faulting in huge pages from two threads was slower than from one, so the write pass got
+    slower with a second thread (``benchmarks/bench_output_writes.py``). The
     advantages of one training step are freed before the next step computes its own, so each estimator call after
     the first writes into memory that is already mapped. A buffer returns here when the last tensor or view of it
     is freed (a finaliser on the array the tensor wraps), so memory in use is never handed out twice. At most
