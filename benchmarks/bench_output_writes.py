@@ -11,8 +11,9 @@ lengths uniform in ``[L/8, L]``), into four kinds of memory, each allocated anew
 * ``kernel_output``      the recipe's output (:func:`gtpo.algorithms.kernel_support.kernel_output`): the previous
   output's memory, freed and recycled, every element written, the padding's zeros included.
 
-A second thread halves the recycled write (the pass is memory-bound and two cores move more bytes than one); on fresh
-memory it does not, where the page faults do not run in parallel (on this virtual machine they got slower).
+On the 2-core virtual machine this was measured on, a second thread speeds up the recycled write by a third to a
+half; into fresh huge-page memory it does not (the 2,048-row write got slower), and 4 KB pages scale but cost four
+to five times as much.
 
 Usage: .venv/bin/python benchmarks/bench_output_writes.py [--sizes 2048x4096,8192x4096] [--repeats 15] [--no-write]
 Writes its table into benchmarks/RESULTS.md (section ``output-writes``; other sections are kept).
