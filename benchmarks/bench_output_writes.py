@@ -60,15 +60,14 @@ def _kernels():
 
 
 def _mapping(rows: int, cols: int, huge: bool):
+    """A fresh ``[rows, cols]`` float32 mapping: the kernels' own (advised for huge pages) or a plain one."""
     import numpy as np
     import torch
 
-    buf = mmap.mmap(-1, rows * cols * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge:
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except (AttributeError, OSError):
-            pass
+    from gtpo.algorithms.kernel_support import _new_mapping
+
+    nbytes = rows * cols * 4
+    buf = _new_mapping(nbytes) if huge else mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.from_numpy(np.frombuffer(buf, dtype=np.float32).reshape(rows, cols))
 
 

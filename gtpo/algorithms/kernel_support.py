@@ -219,12 +219,12 @@ class _OutputPool:
 
     A new ``[B, L]`` output is fresh anonymous memory, and writing it first faults in every page: measured on a
     2-core virtual machine, faulting in huge pages from two threads was slower than from one, so the write pass got
-    slower with a second thread (``benchmarks/bench_output_writes.py``). The
-    advantages of one training step are freed before the next step computes its own, so each estimator call after
-    the first writes into memory that is already mapped. A buffer returns here when the last tensor or view of it
-    is freed (a finaliser on the array the tensor wraps), so memory in use is never handed out twice. At most
-    :attr:`keep` free buffers are held (one per output a call makes); the memory held is the size of one step's
-    advantages.
+    slower with a second thread (``benchmarks/bench_output_writes.py``). The recipe's trainer frees a step's
+    advantages within the step (they go to TransferQueue as a copy), so each estimator call after the first writes
+    into memory that is already mapped. A buffer returns here when the last tensor or view of it is freed (a
+    finaliser on the array the tensor wraps), so memory in use is never handed out twice. At most :attr:`keep` free
+    buffers are held: two, so that a caller which still holds its previous output while asking for the next
+    alternates between two buffers instead of mapping a new one each call.
     """
 
     keep = 2
