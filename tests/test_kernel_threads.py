@@ -106,3 +106,18 @@ def test_estimators_leave_torchs_openmp_pool_idle(size):
         pytest.skip("this torch starts no OpenMP worker thread")
     spun = {case: result[case] for case in cases if result[case] > 1}
     assert not spun, f"torch's OpenMP worker ran (clock ticks over 10 calls): {spun}"
+
+
+def test_the_benchmark_floor_uses_the_bandwidth_of_its_own_thread_count(monkeypatch):
+    """bench_estimators measures the copy bandwidth at each thread count it runs (a one-thread row's floor is the
+    one-thread bandwidth), and leaves torch's thread count as it found it."""
+    sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks import bench_estimators
+
+    seen = []
+    monkeypatch.setattr(bench_estimators, "_copy_bandwidth", lambda device, mb: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    for threads in (1, 2, None):
+        bench_estimators.copy_bandwidth("cpu", threads)
+    assert seen == [1, 2, before]
+    assert torch.get_num_threads() == before
