@@ -116,9 +116,20 @@ def write_model_dir(folder: Path, model) -> Path:
     return folder
 
 
-def compose_config(method: str, model_dir: Path | str):
+# The padded path with fixed micro-batches: the CPU backend's remove padding, token budgets, chunked entropy and
+# activation checkpointing turned off (tests/path_support.py runs those paths against this one).
+PADDED = (
+    "actor_rollout_ref.model.use_remove_padding=false",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+    "actor_rollout_ref.actor.use_dynamic_bsz=false",
+    "actor_rollout_ref.actor.entropy_from_logits_with_chunking=false",
+)
+
+
+def compose_config(method: str, model_dir: Path | str, path: tuple[str, ...] = PADDED):
     """The recipe's resolved config for ``method`` on the CPU backend: 4 prompts x 4 samples in one mini-batch,
-    micro-batches of 4 rows, SGD without clipping in effect."""
+    micro-batches of 4 rows (token budgets where ``path`` turns dynamic batch sizes on), SGD without clipping in
+    effect; ``path`` selects how verl computes (default: padded, fixed micro-batches)."""
     from omegaconf import OmegaConf
 
     from tests.test_configs import compose
@@ -139,6 +150,7 @@ def compose_config(method: str, model_dir: Path | str):
         f"actor_rollout_ref.actor.optim.clip_grad={CLIP_GRAD}",
         f"actor_rollout_ref.actor.optim.lr={LR}",
         "actor_rollout_ref.actor.optim.total_training_steps=1",
+        *path,
     ]
     cfg = compose(overrides)
     OmegaConf.resolve(cfg)
@@ -340,6 +352,19 @@ class DriverBatch:
     metrics: dict
     dp: int
 
+    @classmethod
+    def dispatched(cls, sent, store: MemoryTQ, metrics: dict, dp: int) -> DriverBatch:
+        """The batch ``sent`` to the actor (``KVBatchMeta``) with every field ``store`` holds for its rows."""
+        return cls(
+            keys=list(sent.keys),
+            tags=list(sent.tags),
+            rows={k: store.rows[k] for k in sent.keys},
+            extra_info=dict(sent.extra_info),
+            nested=store.nested_fields(),
+            metrics=metrics,
+            dp=dp,
+        )
+
     def rank_keys(self, rank: int) -> list[str]:
         from transfer_queue import KVBatchMeta
 
@@ -397,16 +422,7 @@ def driver_batch(cfg, dp: int, old_model, order: list[int] | None = None) -> Dri
         batch = drv._compute_advantage(batch, metrics=metrics)
         drv._update_actor(batch, metrics=metrics)
     reset_h_ini()
-    sent = drv.actor_rollout_wg.sent
-    return DriverBatch(
-        keys=list(sent.keys),
-        tags=list(sent.tags),
-        rows={k: store.rows[k] for k in sent.keys},
-        extra_info=dict(sent.extra_info),
-        nested=store.nested_fields(),
-        metrics=metrics,
-        dp=dp,
-    )
+    return DriverBatch.dispatched(drv.actor_rollout_wg.sent, store, metrics, dp)
 
 
 def worker_input(rows: list[dict], nested: set[str], extra_info: dict):
@@ -417,6 +433,58 @@ def worker_input(rows: list[dict], nested: set[str], extra_info: dict):
     for key, val in copy.deepcopy(extra_info).items():
         tu.assign_non_tensor_data(tensor_dict=td, key=key, val=val)
     return td
+
+
+def forking_micro_batch_loss(cfg, batch: DriverBatch, records: list[dict], trained) -> float:
+    """The ``pg_loss`` the forking loss with ``scope=micro_batch`` must report for ``records`` (every rank's
+    micro-batches of one update), recomputed from each micro-batch's forward outputs: each micro-batch keeps its own
+    top-rho tokens of the training policy's entropy (``ceil(rho * n_valid)``, more only on ties at the threshold) and
+    contributes ``(n_valid(mb) / N) * J(mb)``, ``J(mb)`` verl's clipped loss averaged over that selection. The
+    forward outputs are checked against the trained model's own forward first (ties must resolve as in the worker,
+    hence its values)."""
+    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
+    from verl.utils.config import omega_conf_to_dataclass
+
+    assert cfg.algorithm.forking.scope == "micro_batch"
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert actor.global_batch_info == {}  # the per-micro-batch mean below takes no global normalisation
+    rho = float(cfg.algorithm.forking.rho)
+
+    def padded(rows: list[dict], name: str, width: int) -> torch.Tensor:
+        return torch.stack([torch.nn.functional.pad(r[name], (0, width - len(r[name]))) for r in rows])
+
+    total = 0.0
+    for record in records:
+        rows = [batch.rows[k] for k in record["rows"]]
+        log_prob, entropy = record["log_probs"], record["entropy"]
+        width = log_prob.shape[1]
+        valid = padded(rows, "response_mask", width).bool()
+        for i, row in enumerate(rows):
+            own_log_prob, own_entropy = response_log_probs(trained, row)
+            n = int(row["response_mask"].sum())
+            torch.testing.assert_close(log_prob[i, :n], own_log_prob[:n], rtol=0, atol=1e-5)
+            torch.testing.assert_close(entropy[i, :n], own_entropy[:n], rtol=0, atol=1e-5)
+        n_valid = int(valid.sum())
+        if n_valid == 0:
+            continue
+        k = math.ceil(rho * n_valid)
+        tau = entropy[valid].sort(descending=True).values[k - 1]
+        selected = valid & (entropy >= tau)
+        n_sel = int(selected.sum())
+        assert record["n_valid"] == n_valid
+        assert record["forking/selected_token_frac"] == n_sel / n_valid
+        if n_sel > k:  # only ties at the threshold add tokens (a prompt's rows share its first response position)
+            assert int((entropy[valid] == tau).sum()) > 1
+        mean_loss, _ = compute_policy_loss_vanilla(
+            old_log_prob=padded(rows, "old_log_probs", width),
+            log_prob=log_prob,
+            advantages=padded(rows, "advantages", width),
+            response_mask=selected,
+            loss_agg_mode="token-mean",
+            config=actor,
+        )
+        total += n_valid / record["batch_num_tokens"] * float(mean_loss)
+    return total
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -484,20 +552,19 @@ def _full_state(module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _update_once(cfg, job: Job, rank: int) -> RankResult:
+def train_and_record(cfg, worker, data, rank: int) -> RankResult:
+    """verl's ``update_actor`` on ``worker`` (model built) with the recipe's loss replacement, recording every
+    micro-batch's loss inputs; rank 0 also reports the driver's reduction of the metrics and the full weights."""
     from verl.utils.metric import reduce_metrics
     from verl.utils.py_functional import rename_dict
-    from verl.workers.engine_workers import ActorRolloutRefWorker
 
     from gtpo.verl_plugin import forking
 
-    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
-    worker.init_model()
     # the recipe's loss replacement, as GTPOTrainerMixin.on_init_end installs it through the worker group
     forking.install(SimpleNamespace(config=cfg, actor_rollout_wg=worker))
     recorder = RecordingLoss(worker.actor.loss_fn)
     worker.actor.set_loss_fn(recorder)
-    out = worker.update_actor(worker_input(job.rows_by_rank[rank], job.nested, job.extra_info))
+    out = worker.update_actor(data)
     result = RankResult(micro_batches=recorder.records)
     weights = _full_state(worker.actor.engine.module)  # collective: every rank
     if rank == 0:
@@ -509,6 +576,14 @@ def _update_once(cfg, job: Job, rank: int) -> RankResult:
     return result
 
 
+def _update_once(cfg, job: Job, rank: int) -> RankResult:
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
+    worker.init_model()
+    return train_and_record(cfg, worker, worker_input(job.rows_by_rank[rank], job.nested, job.extra_info), rank)
+
+
 def _is_number(v) -> bool:
     try:
         float(v)
@@ -517,7 +592,9 @@ def _is_number(v) -> bool:
     return True
 
 
-def _rank_main(rank: int, world_size: int, port: int, job_path: str, out_dir: str) -> None:
+def rank_environment(rank: int, world_size: int, port: int) -> None:
+    """This spawned process as rank ``rank`` of ``world_size`` on the CPU backend (gloo on 127.0.0.1:``port``), with the
+    recipe's registrations loaded by verl's import, one torch thread."""
     from gtpo.cpu import env as cpu_env
 
     os.environ.update(cpu_env(extra_modules=("gtpo.verl_plugin.register",), base=dict(os.environ)))
@@ -533,6 +610,10 @@ def _rank_main(rank: int, world_size: int, port: int, job_path: str, out_dir: st
         }
     )
     torch.set_num_threads(1)
+
+
+def _rank_main(rank: int, world_size: int, port: int, job_path: str, out_dir: str) -> None:
+    rank_environment(rank, world_size, port)
     try:
         # verl's package import loads VERL_USE_EXTERNAL_MODULES: the cpu platform, then the recipe's registrations
         import verl  # noqa: F401
@@ -573,9 +654,9 @@ def start_ranks(world_size: int, jobs: list[Job], folder: Path) -> list[multipro
     return procs
 
 
-def wait_ranks(groups: dict[int, list[multiprocessing.Process]], folder: Path, timeout: float) -> dict[int, list]:
-    """Wait for every group; a failed rank (or the timeout) kills every process, since its peers would wait in a
-    collective, and raises with the rank's traceback. Returns ``{world_size: [results of rank 0, rank 1, ...]}``."""
+def wait_processes(groups: dict[int, list[multiprocessing.Process]], error_dir, timeout: float) -> None:
+    """Wait for every group of processes; a failed one (or the timeout) kills them all, since its peers would wait
+    in a collective, and raises with the tracebacks written to ``error_dir(group)/*.error``."""
     deadline = time.monotonic() + timeout
     pending = dict(groups)
     while pending:
@@ -588,12 +669,17 @@ def wait_ranks(groups: dict[int, list[multiprocessing.Process]], folder: Path, t
                         p.kill()
                 for p in everyone:
                     p.join(5)
-                errors = sorted((folder / f"dp{ws}").glob("*.error"))
+                errors = sorted(Path(error_dir(ws)).glob("*.error"))
                 detail = "\n".join(e.read_text() for e in errors) or "no traceback (killed or timed out)"
-                raise RuntimeError(f"dp={ws} worker processes failed:\n{detail}")
+                raise RuntimeError(f"world size {ws}: rank processes failed:\n{detail}")
             if all(p.exitcode == 0 for p in procs):
                 del pending[ws]
         time.sleep(0.2)
+
+
+def wait_ranks(groups: dict[int, list[multiprocessing.Process]], folder: Path, timeout: float) -> dict[int, list]:
+    """Wait for every group (:func:`wait_processes`). Returns ``{world_size: [results of rank 0, rank 1, ...]}``."""
+    wait_processes(groups, lambda ws: folder / f"dp{ws}", timeout)
     return {
         ws: [torch.load(folder / f"dp{ws}" / f"rank{r}.pt", weights_only=False) for r in range(ws)] for ws in groups
     }

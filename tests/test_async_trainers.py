@@ -337,9 +337,10 @@ def test_batch_scopes_under_parameter_sync_step_are_a_startup_note():
     (note,) = notes("method=gtpo", "algorithm.gtpo.norm_scope=group")
     assert note.startswith("algorithm.gtpo.weight_scope=batch with")
     assert notes("method=gtpo", "algorithm.gtpo.norm_scope=group", "algorithm.gtpo.weight_scope=group") == []
-    (note,) = notes("method=dapo_forking", "algorithm.forking.scope=batch")
+    (note,) = notes("method=dapo_forking")  # the preset's whole-batch quantile
     assert note.startswith("algorithm.forking.scope=batch with") and "forking/batch_scope_rows" in note
-    assert notes("method=dapo_forking") == []  # micro-batch quantile: per micro-batch in every mode
+    # micro-batch quantile: per micro-batch in every mode
+    assert notes("method=dapo_forking", "algorithm.forking.scope=micro_batch") == []
     assert notes("method=grpo_s") == []
     one_update = ["trainer.v1.separate_async.parameter_sync_step=1", "actor_rollout_ref.actor.ppo_mini_batch_size=128"]
     assert notes("method=gtpo", *one_update) == []
@@ -389,7 +390,10 @@ def test_bypass_mode_and_the_forking_loss():
     bypass = ["trainer=colocate_async", "method=dapo_forking", "algorithm.rollout_correction.bypass_mode=true"]
     with pytest.raises(ValueError, match=r"bypass_mode=true with algorithm.forking.scope=batch"):
         _validate([*bypass, "algorithm.forking.scope=batch"])
-    _validate(bypass)  # micro_batch: the training policy's entropy, computed in the update itself
+    # micro_batch: the training policy's entropy, computed in the update itself
+    _validate([*bypass, "algorithm.forking.scope=micro_batch"])
+    with pytest.raises(ValueError, match=r"forking.scope=batch"):
+        _validate(bypass)  # the preset selects over the whole batch
     _validate(["trainer=colocate_async", "method=grpo", "algorithm.rollout_correction.bypass_mode=true"])
 
 

@@ -200,55 +200,18 @@ def test_update_is_the_same_at_dp_1_and_2(runs, method):
 def test_forking_micro_batch_scope_differs_as_its_micro_batches_do(runs, models):
     """``scope=micro_batch``: each micro-batch selects its own top-rho tokens of the training policy's entropy, and
     ``pg_loss = sum_mb (n_valid(mb) / N) * J(mb)`` at both dp sizes, with ``J(mb)`` verl's clipped loss averaged over
-    that selection. The selection and ``J`` are recomputed here from each micro-batch's forward outputs (checked
-    against the trained model's own forward; ties at the threshold must resolve as in the worker, hence its values).
-    The micro-batches hold different rows at dp = 1 and dp = 2, so the losses differ, by what the formula predicts."""
-    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
-    from verl.utils.config import omega_conf_to_dataclass
-
+    that selection (:func:`tests.dp_support.forking_micro_batch_loss`). The micro-batches hold different rows at
+    dp = 1 and dp = 2, so the losses differ, by what the formula predicts."""
     _, trained = models
     batches, results, _ = runs
     cfg = S.compose_config("forking_micro_batch", "unused")
-    assert cfg.algorithm.forking.scope == "micro_batch"
-    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    assert actor.global_batch_info == {}  # the per-micro-batch mean below takes no global normalisation
-
     predicted, compositions = {}, {}
     for dp in (1, 2):
-        batch = batches["forking_micro_batch", dp]
         records = [r for rank in results["forking_micro_batch", dp] for r in rank.micro_batches]
-        total = 0.0
-        for record in records:
-            rows = [batch.rows[k] for k in record["rows"]]
-            log_prob, entropy = record["log_probs"], record["entropy"]
-            width = log_prob.shape[1]
-            valid = _padded(rows, "response_mask", width).bool()
-            for i, row in enumerate(rows):
-                own_log_prob, own_entropy = S.response_log_probs(trained, row)
-                n = int(row["response_mask"].sum())
-                torch.testing.assert_close(log_prob[i, :n], own_log_prob[:n], rtol=0, atol=1e-5)
-                torch.testing.assert_close(entropy[i, :n], own_entropy[:n], rtol=0, atol=1e-5)
-            n_valid = int(valid.sum())
-            k = math.ceil(S.RHO * n_valid)
-            tau = entropy[valid].sort(descending=True).values[k - 1]
-            selected = valid & (entropy >= tau)
-            n_sel = int(selected.sum())
-            assert record["n_valid"] == n_valid
-            assert record["forking/selected_token_frac"] == n_sel / n_valid
-            if n_sel > k:  # only ties at the threshold add tokens (a prompt's rows share its first response position)
-                assert int((entropy[valid] == tau).sum()) > 1
-            mean_loss, _ = compute_policy_loss_vanilla(
-                old_log_prob=_padded(rows, "old_log_probs", width),
-                log_prob=log_prob,
-                advantages=_padded(rows, "advantages", width),
-                response_mask=selected,
-                loss_agg_mode="token-mean",
-                config=actor,
-            )
-            total += n_valid / record["batch_num_tokens"] * float(mean_loss)
-        predicted[dp] = total
+        predicted[dp] = S.forking_micro_batch_loss(cfg, batches["forking_micro_batch", dp], records, trained)
         compositions[dp] = {tuple(r["rows"]) for r in records if not any(k.startswith("pad") for k in r["rows"])}
-        assert results["forking_micro_batch", dp][0].metrics["actor/pg_loss"] == pytest.approx(total, rel=LOSS_RTOL)
+        observed = results["forking_micro_batch", dp][0].metrics["actor/pg_loss"]
+        assert observed == pytest.approx(predicted[dp], rel=LOSS_RTOL)
 
     assert compositions[1] != compositions[2]
     observed = results["forking_micro_batch", 1][0].metrics["actor/pg_loss"]

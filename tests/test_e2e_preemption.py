@@ -26,7 +26,9 @@ from gtpo.trainer.preemption import EXIT_CODE
 from tests.e2e_support import REPO_ROOT, WORLD_SIZE_2, RunningRecipe, read_metrics, shard_names, tail
 from tests.test_e2e_trainer import base_overrides
 
-pytestmark = pytest.mark.e2e
+# slow tier: the default tier keeps preemption under a real Slurm (tests/test_slurm_preemption.py: the time-limit
+# warning, exit 85, the requeue and the resume) and stays within its 25 minutes
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

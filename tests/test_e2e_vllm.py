@@ -3,15 +3,16 @@
     .venv/bin/python -m pytest -q -m e2e tests/test_e2e_vllm.py
 
 1. ``scripts/run_gtpo_qwen2.5_7b.sh trainer=colocate_async`` runs, through the launcher script itself, at world size
-   two on the session cluster's two simulated nodes (``NNODES=2 NGPUS_PER_NODE=1``), with the launcher's own
-   presets (method, the model preset's rollout block, scale, sampling, trainer mode). The CPU run
-   replaces only what a CPU cannot have (model, lengths, batch and token budgets, GPU counts, the CPU backend's
-   platform settings: ``CPU_REPLACED``); a dry run of both configurations checks that nothing else differs, so
-   the launcher's sampling, chunked prefill, ``max_num_batched_tokens``, ``free_cache_engine``, ``load_format``,
-   log-prob and dtype settings of vLLM run as set. Under ``colocate_async`` a batch is generated ahead while a
-   step trains: the run checks where Ray placed it (one FSDP rank and one vLLM replica on each node), verl's pause
-   in both replicas at every step, training on responses of the previous policy, the weights reaching vLLM at
-   every sync and no shared memory left behind.
+   two on the session cluster's two simulated nodes (``NNODES=2 NGPUS_PER_NODE=1``), with the launcher's own presets
+   (method, the model preset's rollout block, scale, sampling, trainer mode). The CPU run replaces only what a CPU
+   cannot have (model, lengths, batch and token budgets, GPU counts, the CPU backend's platform settings:
+   ``CPU_REPLACED``) and adds a slice of ``scale=dapo``: Ulysses sequence parallelism 2, each sequence split over the
+   two ranks, whose log-probs must still agree with vLLM's at every step. A dry run of both configurations checks
+   that nothing else differs, so the launcher's sampling, chunked prefill, ``max_num_batched_tokens``,
+   ``free_cache_engine``, ``load_format``, log-prob and dtype settings of vLLM run as set. Under ``colocate_async`` a
+   batch is generated ahead while a step trains: the run checks where Ray placed it (one FSDP rank and one vLLM
+   replica on each node), verl's pause in both replicas at every step, training on responses of the previous policy,
+   the weights reaching vLLM at every sync and no shared memory left behind.
 2. (slow tier) The same trainer at world size one with the vLLM patch that keeps the weights
    reloadable switched off (``VLLM_PLUGINS`` names only another plugin): the first weight sync fails in the vLLM
    worker, verl's sender waits on its socket, and the watchdog ends the run within
@@ -50,6 +51,9 @@ CPU_ARGS = [
     f"reward.custom_reward_function.path={COIN_REWARD}",
     "reward.custom_reward_function.name=compute_score",
     "algorithm.filter_groups.enable=false",
+    # a slice of scale=dapo's sequence parallelism: each sequence split over the two ranks (Ulysses 2, one data-parallel
+    # rank), through the CPU backend's Ulysses-aware SDPA
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
 ]
 
 # Config keys the CPU run may differ in from the launcher's, by prefix, each for a reason the CPU imposes.
@@ -88,10 +92,11 @@ CPU_REPLACED = {
     "transfer_queue.backend.SimpleStorage.num_data_storage_units": "one machine",
     "reward.num_workers": "two cores",
     "actor_rollout_ref.rollout.agent.num_workers": "two cores",
-    "actor_rollout_ref.model.use_remove_padding": "no flash-attention on CPU",
-    "actor_rollout_ref.model.override_config": "SDPA instead of flash-attention",
-    "actor_rollout_ref.model.enable_gradient_checkpointing": "tiny model",
-    "actor_rollout_ref.actor.use_remove_padding": "no flash-attention on CPU (follows the model's)",
+    "actor_rollout_ref.model.override_config": "SDPA with Ulysses instead of flash-attention",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "scale=dapo's Ulysses, sliced to two ranks",
+    "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size": "follows the actor's",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "follows the actor's",
+    "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size": "follows the actor's",
     "actor_rollout_ref.ref.use_torch_compile": "follows the actor's",
     "critic.strategy": "FSDP1 needs an accelerator (no critic runs)",
     "critic.ppo_mini_batch_size": "batch (no critic runs)",
@@ -181,10 +186,10 @@ def _cpu_args(assets) -> list[str]:
     return [a.replace("@TOKENIZER@", str(assets.tokenizer_dir)) for a in CPU_ARGS]
 
 
-def _dry_config(tmp: Path, assets, args: list[str]) -> dict:
+def _dry_config(tmp: Path, assets, args: list[str], extra_env: dict[str, str] | None = None) -> dict:
     proc = subprocess.run(
-        ["bash", str(LAUNCHER), *args], cwd=tmp, env=_launcher_env(tmp, assets, {}), capture_output=True, text=True,
-        timeout=600,
+        ["bash", str(LAUNCHER), *args], cwd=tmp, env=_launcher_env(tmp, assets, extra_env or {}), capture_output=True,
+        text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return resolved_config(proc.stdout)
@@ -197,7 +202,8 @@ def test_launcher_rollout_settings_run_on_cpu_with_the_async_pause(ray_cluster, 
     # The launcher's vLLM settings, passed through after the backend preset (whose test sampling, n=4, gives way).
     vllm_as_set = [f"{k}={_hydra(launcher[k])}" for k in (f"actor_rollout_ref.rollout.{key}" for key in VLLM_AS_SET)]
     cpu_args = [*LAUNCHER_ARGS, *_cpu_args(demo_assets), *vllm_as_set]
-    cpu_run = _flatten(_dry_config(tmp_path, demo_assets, cpu_args))
+    # at the real run's two ranks: Ulysses 2 needs them
+    cpu_run = _flatten(_dry_config(tmp_path, demo_assets, cpu_args, {"NNODES": "2", "ALLOW_HOME_PATHS": "1"}))
     differing = sorted(
         k for k in set(launcher) | set(cpu_run) if launcher.get(k, "<absent>") != cpu_run.get(k, "<absent>")
     )

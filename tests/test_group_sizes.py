@@ -29,6 +29,14 @@ def test_refusal_names_the_short_groups_and_the_way_out():
     assert group_size_metrics(index[:4], 4, "gtpo", refuse_short=True)["gtpo/short_groups"] == 0.0
 
 
+def test_no_responses_per_group_is_refused_and_an_empty_batch_logs_zeros():
+    with pytest.raises(ValueError, match=r"expected=0: responses per group must be >= 1"):
+        group_size_metrics(np.array(["a", "a"], dtype=object), 0, "gtpo")
+    empty = np.array([], dtype=object)
+    assert group_size_metrics(empty, 4, "gtpo") == {"gtpo/min_group_size": 0.0, "gtpo/short_groups": 0.0}
+    assert group_size_metrics(empty, 4, "gtpo", refuse_short=True)["gtpo/short_groups"] == 0.0
+
+
 def test_bad_knob_values_are_refused_with_the_key():
     from gtpo.launch.validation import load_all_knobs
 

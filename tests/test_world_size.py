@@ -13,19 +13,51 @@ from gtpo.cpu.demo_trainer import BATCH_ROWS, MINI_BATCH_ROWS, world_overrides
 from gtpo.launch.batch_checks import check_micro_batches
 from tests.test_configs import compose
 
+# The CPU backend cuts micro-batches by tokens (use_dynamic_bsz, as the model presets); the row-count checks need the
+# fixed micro-batches back.
+FIXED_MICRO_BATCHES = ["actor_rollout_ref.actor.use_dynamic_bsz=false"]
+
 
 def _values(overrides: list[str]) -> dict[str, int]:
     return {k: int(v) for k, v in (o.split("=") for o in overrides)}
 
 
-@pytest.mark.parametrize("nnodes,gpus", [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_demo_micro_batches_take_each_rank_share_in_one_pass(nnodes, gpus):
+@pytest.mark.parametrize("nnodes,gpus", [(1, 1), (2, 1), (1, 2)])
+def test_demo_packs_each_rank_share_into_token_budget_micro_batches(nnodes, gpus):
+    """The demo trains as the presets do, with remove padding and dynamic batch sizes; each budget holds verl's
+    128-token padding row; every rank's share of the old-log-prob pass takes several forwards even with every row at
+    its shortest, and at one rank a mini-batch of the longest rows takes two micro-batches."""
+    from verl.trainer.ppo.padding_utils import SYNTHETIC_PADDING_SEQ_LEN
+
+    from gtpo.cpu.demo_task import build_tokenizer
+    from gtpo.cpu.demo_trainer import (
+        DEMO_SETTINGS,
+        LOG_PROB_TOKEN_BUDGET,
+        LONGEST_DEMO_SEQUENCE,
+        MAX_SEQUENCE_TOKENS,
+        MIN_SEQUENCE_TOKENS,
+        TRAIN_TOKEN_BUDGET,
+    )
+
     values = _values(world_overrides(nnodes, gpus))
     world = nnodes * gpus
-    assert (values["trainer.nnodes"], values["trainer.n_gpus_per_node"]) == (nnodes, gpus)
-    assert values["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] * world == MINI_BATCH_ROWS == 32
-    assert values["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"] * world == BATCH_ROWS == 128
-    assert values["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] * world == BATCH_ROWS
+    assert values == {"trainer.nnodes": nnodes, "trainer.n_gpus_per_node": gpus}
+    cfg = compose(["backend=cpu_tiny", "method=gtpo", *DEMO_SETTINGS, *world_overrides(nnodes, gpus)])
+    actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    assert actor.use_dynamic_bsz and rollout.log_prob_use_dynamic_bsz and cfg.actor_rollout_ref.model.use_remove_padding
+    assert actor.ppo_max_token_len_per_gpu == TRAIN_TOKEN_BUDGET
+    assert rollout.log_prob_max_token_len_per_gpu == cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_gpu
+    assert rollout.log_prob_max_token_len_per_gpu == LOG_PROB_TOKEN_BUDGET
+    assert cfg.data.max_prompt_length + cfg.data.max_response_length == MAX_SEQUENCE_TOKENS
+    assert min(TRAIN_TOKEN_BUDGET, LOG_PROB_TOKEN_BUDGET) >= max(SYNTHETIC_PADDING_SEQ_LEN, MAX_SEQUENCE_TOKENS)
+    prompt = build_tokenizer().apply_chat_template([{"role": "user", "content": "say 3"}], add_generation_prompt=True)
+    prompt_tokens = len(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    assert (prompt_tokens + 1, prompt_tokens + cfg.data.max_response_length) == (
+        MIN_SEQUENCE_TOKENS,
+        LONGEST_DEMO_SEQUENCE,
+    )
+    assert BATCH_ROWS // world * MIN_SEQUENCE_TOKENS > LOG_PROB_TOKEN_BUDGET
+    assert MINI_BATCH_ROWS * LONGEST_DEMO_SEQUENCE > TRAIN_TOKEN_BUDGET
 
 
 def test_demo_refuses_a_world_size_that_does_not_divide_its_mini_batch():
@@ -63,7 +95,7 @@ def test_the_trial_micro_batches_at_two_ranks_are_refused_before_ray_starts():
     """The demo's old settings (one micro-batch of 32 per mini-batch, log-prob passes of 128 rows) at two ranks:
     verl stopped in its workers; the recipe refuses at config time, naming the key and the share."""
     two = ["trainer.n_gpus_per_node=2", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=16"]
-    mini = ["actor_rollout_ref.actor.ppo_mini_batch_size=2"]
+    mini = ["actor_rollout_ref.actor.ppo_mini_batch_size=2", *FIXED_MICRO_BATCHES]
     cfg = compose(["backend=cpu_tiny", *two, *mini, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32"])
     with pytest.raises(ValueError, match=r"ppo_micro_batch_size_per_gpu=32 does not divide the 16 responses each rank"):
         check_micro_batches(cfg)
@@ -90,12 +122,12 @@ def test_a_mini_batch_that_does_not_split_over_the_ranks_is_refused():
 def test_log_prob_share_counts_verl_padding_to_the_batch_multiple():
     # 3 prompts x 4 = 12 rows, mini-batch 8 rows, 2 ranks: verl pads to lcm(2, 8) = 8 -> 16 rows, 8 per rank
     cfg = compose(
-        ["backend=cpu_tiny", "trainer.n_gpus_per_node=2", "data.train_batch_size=3",
+        ["backend=cpu_tiny", *FIXED_MICRO_BATCHES, "trainer.n_gpus_per_node=2", "data.train_batch_size=3",
          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"]
     )  # fmt: skip
     check_micro_batches(cfg)
     cfg = compose(
-        ["backend=cpu_tiny", "trainer.n_gpus_per_node=2", "data.train_batch_size=3",
+        ["backend=cpu_tiny", *FIXED_MICRO_BATCHES, "trainer.n_gpus_per_node=2", "data.train_batch_size=3",
          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=6"]
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"=6 does not divide the 8 responses"):

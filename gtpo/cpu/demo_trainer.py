@@ -10,6 +10,20 @@ from gtpo.cpu.demo_task import DemoAssets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+# Rows of the demo's batch (8 prompts x 16 samples) and of one PPO mini-batch (2 prompts x 16 samples).
+BATCH_ROWS = 8 * 16
+MINI_BATCH_ROWS = 2 * 16
+# Demo sequences: a 2-token prompt ("say <d>") and a 1- to 4-token response; the 8-token prompt limit bounds them.
+MIN_SEQUENCE_TOKENS = 2 + 1
+LONGEST_DEMO_SEQUENCE = 2 + 4
+MAX_SEQUENCE_TOKENS = 8 + 4
+# Token budgets of the backend's dynamic micro-batches. Each must hold verl's 128-token synthetic padding row (added
+# when a failed rollout session leaves the batch short of a multiple of the ranks). At one rank a mini-batch share
+# (32 rows, 96-192 tokens) then trains in one or two micro-batches, and the old-log-prob pass (128 rows, 384-768
+# tokens) runs in three to six forwards, each packing rows of different lengths.
+TRAIN_TOKEN_BUDGET = 128
+LOG_PROB_TOKEN_BUDGET = 128
+
 # Trainer settings of the demo, appended after backend=cpu_tiny and the method preset, the same for every method so
 # that all of them run the same task with the same budget. They pin what a preset sets that does not fit a 4-token
 # task or would make runs incomparable: the scale preset's batch, lengths, group size and learning rate; DAPO dynamic
@@ -32,6 +46,9 @@ DEMO_SETTINGS: tuple[str, ...] = (
     "actor_rollout_ref.actor.optim.lr=1e-3",
     "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
     "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={TRAIN_TOKEN_BUDGET}",
+    f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={LOG_PROB_TOKEN_BUDGET}",
+    f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={LOG_PROB_TOKEN_BUDGET}",
     "actor_rollout_ref.actor.ppo_epochs=1",
     "actor_rollout_ref.actor.use_kl_loss=False",
     "actor_rollout_ref.actor.entropy_coeff=0",
@@ -50,10 +67,6 @@ DEMO_SETTINGS: tuple[str, ...] = (
     "trainer.logger=[console,file]",
     "trainer.project_name=gtpo_cpu_demo",
 )
-
-# Rows of the demo's batch (8 prompts x 16 samples) and of one PPO mini-batch (2 prompts x 16 samples).
-BATCH_ROWS = 8 * 16
-MINI_BATCH_ROWS = 2 * 16
 
 # Per-method demo settings, appended after DEMO_SETTINGS (none: every method runs its preset and the recipe's defaults).
 METHOD_SETTINGS: dict[str, tuple[str, ...]] = {}
@@ -83,8 +96,8 @@ def method_overrides(method: str) -> list[str]:
 
 
 def world_overrides(nnodes: int = 1, gpus_per_node: int = 1) -> list[str]:
-    """The demo's world size and the micro-batches that divide at it: each rank takes its share of a mini-batch in
-    one micro-batch, and of the batch in one log-prob pass (the same passes per rank at any world size)."""
+    """The demo's world size, refused when its mini-batch does not split evenly over the ranks (each rank then packs
+    its share into token-budget micro-batches)."""
     for name, value in (("nnodes", nnodes), ("gpus_per_node", gpus_per_node)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: must be a positive int")
@@ -98,9 +111,6 @@ def world_overrides(nnodes: int = 1, gpus_per_node: int = 1) -> list[str]:
     return [
         f"trainer.nnodes={nnodes}",
         f"trainer.n_gpus_per_node={gpus_per_node}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={MINI_BATCH_ROWS // world}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={BATCH_ROWS // world}",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={BATCH_ROWS // world}",
     ]
 
 

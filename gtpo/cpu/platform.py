@@ -16,7 +16,8 @@ Importing this module with ``VERL_PLATFORM=cpu`` also changes one verl default:
 ``backend`` default to plain ``"gloo"``. The wrapper is installed before ``verl.workers.engine_workers`` binds the
 name, because the module is listed in ``VERL_USE_EXTERNAL_MODULES`` and imported from ``verl/__init__``. Without
 ``VERL_PLATFORM=cpu`` the import only registers the platform: on a GPU worker the wrapper would make FSDP's process
-group gloo-only, silently and very slowly.
+group gloo-only, silently and very slowly. With ``VERL_PLATFORM=cpu`` it also registers the backend's attention
+implementation ``gtpo_cpu_sdpa`` (:mod:`gtpo.cpu.ulysses_attention`) with transformers.
 """
 
 from __future__ import annotations
@@ -213,3 +214,7 @@ def _install_gloo_default() -> None:
 # verl reads VERL_PLATFORM the same way (verl/plugin/platform/platform_manager.py).
 if os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu":
     _install_gloo_default()
+    # the CPU backend's attention (configs/backend/cpu_tiny.yaml): SDPA that honours Ulysses sequence parallelism
+    from gtpo.cpu.ulysses_attention import register as _register_attention
+
+    _register_attention()

@@ -1,18 +1,36 @@
 """Batch arithmetic at the run's world size, checked before Ray starts.
 
-Without dynamic batch sizes every rank cuts its share of the rows into micro-batches of a fixed size, and verl
-0.9.1 checks that the cut is even only inside the workers (``prepare_micro_batches`` in
-``verl/workers/engine/utils.py``: "data size must be divisible by force_group_size * micro_batch_size_per_gpu"),
-minutes after launch. The shares, as verl computes them:
+Run by :func:`gtpo.launch.validation.validate_recipe_config` (the entry point, real and ``DRY_RUN=1`` launches,
+before Ray starts); verl 0.9.1 checks these only inside the workers, minutes after launch. The rules, as verl applies
+them with its FSDP engines (the recipe's presets; Megatron's parallel sizes are not modelled here):
 
-* a PPO mini-batch of ``ppo_mini_batch_size × rollout.n`` responses is split evenly over the
-  ``nnodes × n_gpus_per_node`` actor ranks;
-* a log-prob pass (old policy, reference) takes the rank's share of the step's batch, which the trainer first pads
-  with no-op rows to a multiple of ``lcm(world size, mini-batch responses)`` (``_get_required_batch_multiple`` in
-  ``verl/trainer/ppo/v1/trainer_base.py``); under ``separate_async`` a step computes ``parameter_sync_step``
-  slices of the batch one after another.
+* Data-parallel ranks: an FSDP engine has ``world / Ulysses size`` of them (``get_data_parallel_size``,
+  ``verl/workers/engine/fsdp/transformer_impl.py:651-652``), the world being ``nnodes × n_gpus_per_node``. The
+  Ulysses size of a role is its ``ulysses_sequence_parallel_size`` when > 1, else its
+  ``fsdp_config.ulysses_sequence_parallel_size`` (``verl/workers/config/actor.py:327-329``); the reference model's
+  defaults to the actor's. A size that does not divide the world is refused.
+* A PPO mini-batch of ``ppo_mini_batch_size × rollout.n`` responses is split evenly over the actor's
+  data-parallel ranks (``verl/workers/engine_workers.py:267-270``).
+* Before the log-prob passes the trainer pads a step's responses with no-op rows to a multiple of
+  ``lcm(actor dp ranks, mini-batch responses)`` (the critic's mini-batch joins the lcm when a critic runs; the
+  actor's leaves it during ``trainer.critic_warmup`` steps: ``_get_required_batch_multiple`` /
+  ``_balance_batch``, ``verl/trainer/ppo/v1/trainer_base.py:1589-1621``). The old-policy pass splits them over the
+  actor's ranks, the reference pass (run when a KL term needs it) over the reference model's
+  (``KVBatchMeta.chunk``, ``transfer_queue/metadata.py:984-1010``: uneven shares when its rank count does not
+  divide). A step computes ``trainer.v1.<mode>.parameter_sync_step`` such slices of
+  ``train_batch_size / parameter_sync_step`` prompts one after another (``trainer_base.py:130, 534-552``).
+* Without dynamic batch sizes a fixed micro-batch must divide every rank's share
+  (``prepare_micro_batches``, ``verl/workers/engine/utils.py:122-128``). The old-policy pass runs on the actor's
+  engine with the actor's ``use_dynamic_bsz``, which verl requires to equal ``rollout.log_prob_use_dynamic_bsz``
+  (``engine_workers.py:616-626``); with LoRA the reference pass runs there too (``trainer_base.py:237, 1703``).
+* With dynamic batch sizes every sequence must fit one micro-batch: ``budget × Ulysses size`` tokens
+  (``prepare_micro_batches``, ``utils.py:108-112``; ``rearrange_micro_batches``,
+  ``verl/utils/seqlen_balancing.py:384``) must hold one full prompt + response (the agent loop caps them at
+  ``rollout.prompt_length`` / ``response_length``, ``verl/experimental/agent_loop/agent_loop.py:437-445``; by
+  default ``data.max_prompt_length`` / ``max_response_length``), and verl's 128-token synthetic padding row
+  (``SYNTHETIC_PADDING_SEQ_LEN``, ``verl/trainer/ppo/padding_utils.py:42``), which the padding above adds.
 
-A world size that does not divide is refused here with the numbers and the keys to change.
+Every refusal is a ``ValueError`` naming the keys and numbers at fault.
 """
 
 from __future__ import annotations
@@ -21,61 +39,171 @@ import math
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["check_micro_batches"]
+__all__ = ["check_micro_batches", "check_token_budgets"]
+
+ARR = "actor_rollout_ref"
+PASSES = {"rollout": "old-policy", "ref": "reference"}
 
 
 def _get(config: DictConfig, key: str, default=None):
     return OmegaConf.select(config, key, default=default)
 
 
-def _log_prob_rows_per_rank(batch_rows: int, world: int, mini_rows: int) -> int:
-    multiple = math.lcm(world, mini_rows)
-    return -(-batch_rows // multiple) * multiple // world
+def _ulysses(config: DictConfig, role: str) -> tuple[str, int]:
+    """``(key, size)`` of a role's Ulysses size: the top-level key when > 1, else the engine's."""
+    top = f"{ARR}.{role}.ulysses_sequence_parallel_size"
+    if int(_get(config, top, 1) or 1) > 1:
+        return top, int(_get(config, top))
+    engine = f"{ARR}.{role}.fsdp_config.ulysses_sequence_parallel_size"
+    return engine, int(_get(config, engine, 1) or 1)
+
+
+def _world(config: DictConfig) -> tuple[int, str]:
+    nnodes, gpus = int(_get(config, "trainer.nnodes", 1)), int(_get(config, "trainer.n_gpus_per_node", 1))
+    if nnodes < 1 or gpus < 1:
+        raise ValueError(f"trainer.nnodes={nnodes} x trainer.n_gpus_per_node={gpus}: both must be >= 1")
+    return nnodes * gpus, f"trainer.nnodes={nnodes} x trainer.n_gpus_per_node={gpus}"
+
+
+def _ranks(config: DictConfig, role: str) -> tuple[int, str]:
+    """A role's data-parallel ranks and their description; a Ulysses size that does not divide is refused."""
+    world, keys = _world(config)
+    key, sp = _ulysses(config, role)
+    if sp < 1 or world % sp:
+        raise ValueError(f"{key}={sp} does not divide the world size {keys} = {world}; use a divisor of {world}")
+    return world // sp, f"{world // sp} data-parallel ranks (world {world} / Ulysses {sp})"
+
+
+def _roles(config: DictConfig) -> dict[str, str]:
+    """Log-prob role -> the role whose engine runs it: the reference pass runs on the actor's engine with LoRA."""
+    from verl.trainer.ppo.utils import need_reference_policy
+
+    roles = {"rollout": "actor"}
+    if need_reference_policy(config):
+        lora = int(_get(config, f"{ARR}.model.lora.rank", 0) or 0)
+        lora = lora if lora > 0 else int(_get(config, f"{ARR}.model.lora_rank", 0) or 0)
+        in_actor = lora > 0 or _get(config, f"{ARR}.model.lora_adapter_path") is not None
+        roles["ref"] = "actor" if in_actor else "ref"
+    return roles
+
+
+def _dynamic(config: DictConfig) -> bool:
+    """The actor engine's ``use_dynamic_bsz``; verl asserts the rollout's log-prob flag equals it."""
+    actor = bool(_get(config, f"{ARR}.actor.use_dynamic_bsz", False))
+    rollout = bool(_get(config, f"{ARR}.rollout.log_prob_use_dynamic_bsz", actor))
+    if rollout != actor:
+        raise ValueError(
+            f"{ARR}.rollout.log_prob_use_dynamic_bsz={rollout} must equal {ARR}.actor.use_dynamic_bsz={actor}: the "
+            "old-policy pass runs on the actor's engine and verl's actor worker asserts it"
+        )
+    return actor
+
+
+def _sequence(config: DictConfig) -> tuple[int, str] | None:
+    """Tokens of one full prompt + response, and the keys they come from."""
+    parts = []
+    for data_key, rollout_key in (("max_prompt_length", "prompt_length"), ("max_response_length", "response_length")):
+        value, key = _get(config, f"{ARR}.rollout.{rollout_key}"), f"{ARR}.rollout.{rollout_key}"
+        if value is None or value == _get(config, f"data.{data_key}"):
+            value, key = _get(config, f"data.{data_key}"), f"data.{data_key}"
+        if value is None:
+            return None
+        parts.append((key, int(value)))
+    total = sum(v for _, v in parts)
+    return total, " + ".join(f"{k}={v}" for k, v in parts) + f" = {total}"
+
+
+def check_token_budgets(config: DictConfig) -> None:
+    """Raise ``ValueError`` when a dynamic-batch token budget cannot hold one full prompt + response."""
+    sequence = _sequence(config)
+    if sequence is None:
+        return
+    tokens, lengths = sequence
+    budgets = []  # (key, the role whose engine runs the pass)
+    if _dynamic(config):
+        budgets = [(f"{ARR}.actor.ppo_max_token_len_per_gpu", "actor")]
+        budgets.append((f"{ARR}.rollout.log_prob_max_token_len_per_gpu", "actor"))
+    if _roles(config).get("ref") == "ref" and _get(config, f"{ARR}.ref.log_prob_use_dynamic_bsz", False):
+        budgets.append((f"{ARR}.ref.log_prob_max_token_len_per_gpu", "ref"))
+    from verl.trainer.ppo.padding_utils import SYNTHETIC_PADDING_SEQ_LEN
+
+    for key, role in budgets:
+        budget, (_, sp) = _get(config, key), _ulysses(config, role)
+        if budget is None or int(budget) * sp < tokens:
+            held = "no" if budget is None else f"{budget} x Ulysses {sp} = {int(budget) * sp}"
+            raise ValueError(
+                f"{key}={budget}: a micro-batch holds {held} tokens, less than one full sequence of {lengths} "
+                f"tokens (verl stops in its workers: 'max_token_len must be greater than the sequence length'); set "
+                f"it to at least {-(-tokens // sp)}"
+            )
+        if int(budget) * sp < SYNTHETIC_PADDING_SEQ_LEN:
+            raise ValueError(
+                f"{key}={budget}: a micro-batch holds {budget} x Ulysses {sp} = {int(budget) * sp} tokens, less than "
+                f"the {SYNTHETIC_PADDING_SEQ_LEN}-token padding row verl adds when a batch is short of a multiple of "
+                f"the ranks (a failed rollout session, dynamic sampling; verl/trainer/ppo/padding_utils.py): set it "
+                f"to at least {-(-SYNTHETIC_PADDING_SEQ_LEN // sp)}"
+            )
+
+
+def _shares(rows: int, ranks: int) -> set[int]:
+    """Rows per rank when ``rows`` are chunked over ``ranks`` (the first ``rows % ranks`` get one more)."""
+    return {rows // ranks} | ({rows // ranks + 1} if rows % ranks else set())
 
 
 def check_micro_batches(config: DictConfig) -> None:
-    """Raise ``ValueError`` when a fixed micro-batch does not divide a rank's rows at the run's world size."""
+    """Raise ``ValueError`` when the Ulysses sizes, the fixed micro-batches or the token budgets do not fit the
+    world size (see the module's docstring for verl's rules)."""
     from gtpo.launch.async_checks import verl_mode
 
-    nnodes, gpus = int(_get(config, "trainer.nnodes", 1)), int(_get(config, "trainer.n_gpus_per_node", 1))
-    world = nnodes * gpus
-    where = f"trainer.nnodes={nnodes} x trainer.n_gpus_per_node={gpus} = {world} ranks"
-    n = int(_get(config, "actor_rollout_ref.rollout.n", 1))
-    mini = _get(config, "actor_rollout_ref.actor.ppo_mini_batch_size")
+    roles = _roles(config)
+    dp, ranks = _ranks(config, "actor")
+    role_ranks = {engine: _ranks(config, engine) for engine in roles.values()}
+    check_token_budgets(config)
+    _, keys = _world(config)
+    n = int(_get(config, f"{ARR}.rollout.n", 1))
+    mini = _get(config, f"{ARR}.actor.ppo_mini_batch_size")
     train_batch = _get(config, "data.train_batch_size")
     if mini is None or train_batch is None:
         return
     mini_rows = int(mini) * n
-    if mini_rows % world:
+    if mini_rows % dp:
         raise ValueError(
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini} x rollout.n={n} = {mini_rows} responses per "
-            f"mini-batch do not split evenly over {where}"
+            f"{ARR}.actor.ppo_mini_batch_size={mini} x rollout.n={n} = {mini_rows} responses per mini-batch do not "
+            f"split evenly over {keys}: {ranks}; the mini-batch must be a multiple of {dp} responses"
         )
-    if not _get(config, "actor_rollout_ref.actor.use_dynamic_bsz", False):
-        micro = _get(config, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
-        if micro and (mini_rows // world) % int(micro):
-            raise ValueError(
-                f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro} does not divide the "
-                f"{mini_rows // world} responses each rank gets of a mini-batch ({mini_rows} over {where}); use a "
-                "divisor of it or actor_rollout_ref.actor.use_dynamic_bsz=true"
-            )
-    separate = verl_mode(str(_get(config, "trainer.v1.trainer_mode", "gtpo_sync"))) == "separate_async"
-    slices = int(_get(config, "trainer.v1.separate_async.parameter_sync_step", 1) or 1) if separate else 1
-    batch_rows = int(train_batch) // slices * n
-    per_rank = _log_prob_rows_per_rank(batch_rows, world, mini_rows)
-    uses_ref = bool(_get(config, "actor_rollout_ref.actor.use_kl_loss", False)) or bool(
-        _get(config, "algorithm.use_kl_in_reward", False)
-    )
-    for role in ("rollout", "ref"):
-        if role == "ref" and not uses_ref:
+    dynamic = _dynamic(config)
+    micro = _get(config, f"{ARR}.actor.ppo_micro_batch_size_per_gpu")
+    if not dynamic and micro and (mini_rows // dp) % int(micro):
+        raise ValueError(
+            f"{ARR}.actor.ppo_micro_batch_size_per_gpu={micro} does not divide the {mini_rows // dp} responses each "
+            f"rank gets of a mini-batch: {mini_rows} over {ranks}; use a divisor of {mini_rows // dp} or "
+            f"{ARR}.actor.use_dynamic_bsz=true"
+        )
+    mode = verl_mode(str(_get(config, "trainer.v1.trainer_mode", "sync")))
+    slices = int(_get(config, f"trainer.v1.{mode}.parameter_sync_step", 1) or 1) if mode else 1
+    rows = int(train_batch) // slices * n
+    terms = [dp]
+    critic = _get(config, "critic.enable")  # verl's need_critic (verl/trainer/ppo/utils.py:96-107)
+    if critic if critic is not None else _get(config, "algorithm.adv_estimator") == "gae":
+        terms.append(int(_get(config, "critic.ppo_mini_batch_size")) * n)
+    multiples = [(math.lcm(*terms, mini_rows), f"lcm({', '.join(map(str, terms))}, mini-batch {mini_rows})")]
+    if _get(config, "trainer.critic_warmup"):  # no actor update yet: verl leaves the mini-batch out of the lcm
+        multiples.append((math.lcm(*terms), f"lcm({', '.join(map(str, terms))}) during trainer.critic_warmup"))
+    for role, engine in roles.items():
+        prefix = f"{ARR}.{'rollout' if engine == 'actor' else 'ref'}"
+        role_dynamic = _get(config, f"{ARR}.ref.log_prob_use_dynamic_bsz", False) if engine == "ref" else dynamic
+        micro = _get(config, f"{prefix}.log_prob_micro_batch_size_per_gpu")
+        if role_dynamic or not micro:
             continue
-        if _get(config, f"actor_rollout_ref.{role}.log_prob_use_dynamic_bsz", False):
-            continue
-        key = f"actor_rollout_ref.{role}.log_prob_micro_batch_size_per_gpu"
-        micro = _get(config, key)
-        if micro and per_rank % int(micro):
-            raise ValueError(
-                f"{key}={micro} does not divide the {per_rank} responses each rank gets of a log-prob pass "
-                f"({batch_rows} responses, padded to a multiple of lcm({world}, {mini_rows}), over {where}); use a "
-                f"divisor of {per_rank} or actor_rollout_ref.{role}.log_prob_use_dynamic_bsz=true"
-            )
+        role_dp, role_desc = role_ranks[engine]
+        for multiple, how in multiples:
+            shares = _shares(-(-rows // multiple) * multiple, role_dp)
+            bad = [share for share in sorted(shares) if share % int(micro)]
+            if bad:
+                who = "each rank gets" if len(shares) == 1 else "some ranks get"
+                raise ValueError(
+                    f"{prefix}.log_prob_micro_batch_size_per_gpu={micro} does not divide the {bad[0]} responses {who} "
+                    f"of the {PASSES[role]} log-prob pass: {rows} responses, padded to a multiple of {how} = "
+                    f"{multiple}, over {role_desc}; use a divisor of {math.gcd(*shares)} or "
+                    f"{prefix}.log_prob_use_dynamic_bsz=true"
+                )

@@ -97,6 +97,28 @@ def check_checkpoint_saves(config: DictConfig) -> None:
         )
 
 
+# Attention implementations verl's Ulysses all-to-all wraps (``apply_monkey_patch`` replaces transformers'
+# ``_flash_attention_forward``), and the CPU backend's SDPA that does the same (gtpo/cpu/ulysses_attention.py).
+ULYSSES_ATTENTION = ("flash_attention_2", "flash_attention_3", "gtpo_cpu_sdpa")
+
+
+def check_sequence_parallel_attention(config: DictConfig) -> None:
+    """Ulysses only with an attention that gathers the sequence: under any other each rank attends within its own
+    shard, and the run trains on wrong log-probs and entropies without an error (verl's default is
+    ``flash_attention_2``)."""
+    model = config.actor_rollout_ref.model
+    attention = str((model.get("override_config", None) or {}).get("attn_implementation", "flash_attention_2"))
+    for role in ("actor", "ref"):
+        sp = int(OmegaConf.select(config, f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size", default=1) or 1)
+        if sp > 1 and attention not in ULYSSES_ATTENTION:
+            raise ValueError(
+                f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size={sp} with "
+                f"actor_rollout_ref.model.override_config.attn_implementation={attention}: verl's Ulysses wraps only "
+                f"{', '.join(ULYSSES_ATTENTION[:2])}; with {attention} each rank would attend within its own shard of "
+                f"the sequence and train on wrong log-probs (use one of {', '.join(ULYSSES_ATTENTION)})"
+            )
+
+
 def validate_recipe_config(config: DictConfig) -> None:
     """Validate the recipe-specific parts of a composed trainer config."""
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
@@ -120,6 +142,7 @@ def validate_recipe_config(config: DictConfig) -> None:
     check_overlong_shaping(config)
     check_checkpoint_saves(config)
     check_micro_batches(config)
+    check_sequence_parallel_attention(config)
     grop_on = bool(knobs["grop"].enable)
     if not config.trainer.get("use_v1", True):
         raise ValueError("trainer.use_v1=False: the gtpo recipe runs on verl's v1 trainer only")

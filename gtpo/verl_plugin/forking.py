@@ -11,14 +11,17 @@ entropy terms unchanged) on a shallow copy of the micro-batch whose ``response_m
 
 Scopes (``algorithm.forking.scope``):
 
-- ``micro_batch`` (paper, default): the threshold is the top-rho quantile of the **training** policy's entropy
+- ``micro_batch`` (the paper's micro-batch; the knob's default): the threshold is the top-rho quantile of the
+  **training** policy's entropy
   (``model_output["entropy"]``, temperature-scaled logits, present when ``actor.calculate_entropy=true``) over the
   valid tokens of the micro-batch on this rank. The micro-batch loss is ``sum_sel l / n_sel(mb)`` (the paper's
   ``J^B``), and micro-batches and DP ranks are combined with verl's token weights ``n_valid(mb) / N`` (``N`` = the
   global mini-batch token count), i.e. ``batch_num_tokens_eff = N * n_sel(mb) / n_valid(mb)``. When each
   micro-batch selects exactly ``rho * n_valid(mb)`` tokens this equals ``sum_sel l / (rho * N)``: the global
   selected-count token-mean, independent of micro-batching and DP size.
-- ``batch``: the threshold is the top-rho quantile over the whole training batch (all ranks, all mini-batches) of
+- ``batch`` (the ``dapo_forking`` preset's: with token-budget micro-batches, as the GPU presets run, what a
+  micro-batch holds depends on how the budget packed it, ``tests/test_path_equivalence.py``): the threshold is the
+  top-rho quantile over the whole training batch (all ranks, all mini-batches) of
   the **old** policy's entropy (verl's old-log-prob recompute, stored in TransferQueue as ``entropy``), computed
   on the driver by :func:`batch_threshold_extra_info`; tokens are selected on that same old entropy (a fixed mask
   per step; identical to the training policy's entropy for the first mini-batch). The denominator is
