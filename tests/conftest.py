@@ -2,7 +2,7 @@
 
 Markers: ``e2e`` (starts Ray and verl's real trainer on CPU) — skip them locally with ``-m "not e2e"``; ``slow``
 (the long tier of trainer runs: the demo's 50 steps, each preset, the async resume, the evaluation script) — skipped
-unless ``GTPO_SLOW_TESTS=1``. The default tier runs seven trainer launches on a two-node cluster (most at world size
+unless ``GTPO_SLOW_TESTS=1``. The default tier runs five trainer launches on a two-node cluster (most at world size
 two), so the whole suite stays within 25 minutes on 2 cores; every trainer mode still runs through verl there (see
 docs/tests.md).
 """
@@ -21,8 +21,9 @@ SLOW_TESTS = os.environ.get("GTPO_SLOW_TESTS", "0") == "1"
 SHARED_DATA = Path(os.environ.get("GTPO_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
 
-# Tests that need the session's Ray cluster, or that watch /dev/shm while trainer runs use it.
-RAY_FIXTURES = {"ray_cluster", "ray_session"}
+# Tests that need the session's Ray cluster, that watch /dev/shm while trainer runs use it, or that start this host's
+# one Slurm (two workers' Slurm daemons on one host stop each other's munged).
+RAY_FIXTURES = {"ray_cluster", "ray_session", "slurm"}
 SHM_MODULES = {"test_vllm_patches.py"}
 # Where the xdist workers write the node ids of those tests for the controller's scheduler (set by the controller).
 RAY_IDS_ENV = "GTPO_RAY_TEST_IDS"

@@ -39,7 +39,9 @@ from tests.e2e_support import (
 )
 from tests.test_e2e_trainer import base_overrides
 
-pytestmark = pytest.mark.e2e
+# slow tier: the default tier keeps a resume after a stop under a real Slurm's requeue (tests/test_slurm_preemption.py)
+# and after SIGTERM under separate_async (tests/test_e2e_separate_async.py), and stays within its 25 minutes
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 H_INI = "gtpo_traj/h_ini"
 # How long the run may take to end after one FSDP rank died (it ends within seconds: verl's next call on the rank

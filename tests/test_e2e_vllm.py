@@ -102,6 +102,8 @@ CPU_REPLACED = {
     "critic.ppo_mini_batch_size": "batch (no critic runs)",
     "distillation.teacher_models.teacher_model.inference": "follows the rollout's dtype and lengths (distillation off)",
     "actor_rollout_ref.actor.use_torch_compile": "no inductor on the actor's CPU helpers",
+    "actor_rollout_ref.actor.entropy_from_logits_chunk_size": "16-token entropy chunks: chunking happens on tiny runs",
+    "actor_rollout_ref.actor.fsdp_config.entropy_from_logits_chunk_size": "follows the actor's",
     "actor_rollout_ref.actor.fsdp_config.mixed_precision": "fp32 training (no fast bf16 CPU kernels)",
     "actor_rollout_ref.ref.fsdp_config.mixed_precision": "fp32 training",
     "actor_rollout_ref.rollout.enable_sleep_mode": "vLLM refuses sleep mode on CPU",
