@@ -181,6 +181,10 @@ def test_ulysses_is_refused_with_an_attention_that_does_not_gather_the_sequence(
     validate_recipe_config(compose(["backend=cpu_tiny", *two]))  # the CPU backend's gtpo_cpu_sdpa
     with pytest.raises(ValueError, match=r"each rank would attend within its own shard"):
         validate_recipe_config(compose(["backend=cpu_tiny", *two, sdpa[1:]]))
+    # the engine's own Ulysses key counts too (verl reads it when the actor's is 1)
+    engine = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2"]
+    with pytest.raises(ValueError, match=r"fsdp_config.ulysses_sequence_parallel_size=2 with .*=sdpa"):
+        validate_recipe_config(compose(["backend=cpu_tiny", *engine, sdpa[1:]]))
 
 
 def test_packed_causal_mask_stops_at_each_sequence_start():

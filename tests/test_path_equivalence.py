@@ -54,6 +54,12 @@ WEIGHT_RTOL = 1e-6
 
 
 @pytest.fixture(scope="module")
+def trained():
+    """The trained policy the harness updates (its weights before the step)."""
+    return P.build_models()[1]
+
+
+@pytest.fixture(scope="module")
 def results(tmp_path_factory, worker_id):
     """``{(path, fault): PathResult}`` of every path and planted fault, computed once per session."""
     if worker_id == "master":
@@ -119,12 +125,12 @@ def test_advantages_equal_the_padded_path(results, path, method):
 
 @pytest.mark.parametrize("method", EQUIVALENT)
 @pytest.mark.parametrize("path", OTHER_PATHS)
-def test_update_equals_the_padded_path(results, path, method):
+def test_update_equals_the_padded_path(results, trained, path, method):
     one, other = results["padded", None].updates[method], results[path, None].updates[method]
     for key in ("actor/pg_loss", "actor/loss", "actor/grad_norm"):
         assert other.metrics[key] == pytest.approx(one.metrics[key], rel=LOSS_RTOL, abs=1e-8), key
     assert one.metrics["actor/grad_norm"] > 0.1
-    initial = {name: p.detach() for name, p in P.build_models()[1].named_parameters()}
+    initial = {name: p.detach() for name, p in trained.named_parameters()}
     assert one.weights.keys() == other.weights.keys() == initial.keys()
     for name in initial:
         step = float((one.weights[name] - initial[name]).abs().max())
@@ -147,10 +153,9 @@ def test_token_budgets_pack_several_micro_batches_of_different_composition(resul
 
 
 @pytest.mark.parametrize("path", list(P.PATHS))
-def test_forking_micro_batch_scope_follows_what_each_micro_batch_holds(results, path):
+def test_forking_micro_batch_scope_follows_what_each_micro_batch_holds(results, trained, path):
     """``scope=micro_batch`` equals its per-micro-batch formula on every path, and the token-budget paths, whose
     micro-batches hold other rows, report another loss than the padded path."""
-    _, trained = P.build_models()
     result = results[path, None]
     cfg = S.compose_config("forking_micro_batch", "unused", P.PATHS[path].overrides)
     records = result.updates["forking_micro_batch"].micro_batches

@@ -13,10 +13,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # Rows of the demo's batch (8 prompts x 16 samples) and of one PPO mini-batch (2 prompts x 16 samples).
 BATCH_ROWS = 8 * 16
 MINI_BATCH_ROWS = 2 * 16
-# Demo sequences: a 2-token prompt ("say <d>") and a 1- to 4-token response; the 8-token prompt limit bounds them.
+# Length limits of the demo: prompts ("say <d>", 2 tokens) and responses (1 to 4 tokens).
+MAX_PROMPT_TOKENS = 8
+MAX_RESPONSE_TOKENS = 4
+# Demo sequences: a 2-token prompt and a 1- to 4-token response; the prompt limit bounds them.
 MIN_SEQUENCE_TOKENS = 2 + 1
-LONGEST_DEMO_SEQUENCE = 2 + 4
-MAX_SEQUENCE_TOKENS = 8 + 4
+LONGEST_DEMO_SEQUENCE = 2 + MAX_RESPONSE_TOKENS
+MAX_SEQUENCE_TOKENS = MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS
 # Token budgets of the backend's dynamic micro-batches. Each must hold verl's 128-token synthetic padding row (added
 # when a failed rollout session leaves the batch short of a multiple of the ranks). At one rank a mini-batch share
 # (32 rows, 96-192 tokens) then trains in one or two micro-batches, and the old-log-prob pass (128 rows, 384-768
@@ -32,8 +35,8 @@ LOG_PROB_TOKEN_BUDGET = 128
 # KL loss (no reference model); loss aggregation; and the mini-batch (gtpo_traj's one update per step).
 DEMO_SETTINGS: tuple[str, ...] = (
     "data.train_batch_size=8",
-    "data.max_prompt_length=8",
-    "data.max_response_length=4",
+    f"data.max_prompt_length={MAX_PROMPT_TOKENS}",
+    f"data.max_response_length={MAX_RESPONSE_TOKENS}",
     "data.filter_overlong_prompts=False",
     "data.truncation=error",
     "data.dataloader_num_workers=0",
@@ -41,8 +44,8 @@ DEMO_SETTINGS: tuple[str, ...] = (
     "actor_rollout_ref.rollout.temperature=1.0",
     "actor_rollout_ref.rollout.top_p=1.0",
     "actor_rollout_ref.rollout.top_k=-1",
-    "actor_rollout_ref.rollout.response_length=4",
-    "actor_rollout_ref.rollout.prompt_length=8",
+    f"actor_rollout_ref.rollout.response_length={MAX_RESPONSE_TOKENS}",
+    f"actor_rollout_ref.rollout.prompt_length={MAX_PROMPT_TOKENS}",
     "actor_rollout_ref.actor.optim.lr=1e-3",
     "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
     "actor_rollout_ref.actor.ppo_mini_batch_size=2",

@@ -39,7 +39,7 @@ import math
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["check_micro_batches", "check_token_budgets"]
+__all__ = ["check_micro_batches", "check_token_budgets", "ulysses_size"]
 
 ARR = "actor_rollout_ref"
 PASSES = {"rollout": "old-policy", "ref": "reference"}
@@ -49,7 +49,7 @@ def _get(config: DictConfig, key: str, default=None):
     return OmegaConf.select(config, key, default=default)
 
 
-def _ulysses(config: DictConfig, role: str) -> tuple[str, int]:
+def ulysses_size(config: DictConfig, role: str) -> tuple[str, int]:
     """``(key, size)`` of a role's Ulysses size: the top-level key when > 1, else the engine's."""
     top = f"{ARR}.{role}.ulysses_sequence_parallel_size"
     if int(_get(config, top, 1) or 1) > 1:
@@ -68,7 +68,7 @@ def _world(config: DictConfig) -> tuple[int, str]:
 def _ranks(config: DictConfig, role: str) -> tuple[int, str]:
     """A role's data-parallel ranks and their description; a Ulysses size that does not divide is refused."""
     world, keys = _world(config)
-    key, sp = _ulysses(config, role)
+    key, sp = ulysses_size(config, role)
     if sp < 1 or world % sp:
         raise ValueError(f"{key}={sp} does not divide the world size {keys} = {world}; use a divisor of {world}")
     return world // sp, f"{world // sp} data-parallel ranks (world {world} / Ulysses {sp})"
@@ -128,7 +128,7 @@ def check_token_budgets(config: DictConfig) -> None:
     from verl.trainer.ppo.padding_utils import SYNTHETIC_PADDING_SEQ_LEN
 
     for key, role in budgets:
-        budget, (_, sp) = _get(config, key), _ulysses(config, role)
+        budget, (_, sp) = _get(config, key), ulysses_size(config, role)
         if budget is None or int(budget) * sp < tokens:
             held = "no" if budget is None else f"{budget} x Ulysses {sp} = {int(budget) * sp}"
             raise ValueError(
@@ -156,8 +156,8 @@ def check_micro_batches(config: DictConfig) -> None:
     from gtpo.launch.async_checks import verl_mode
 
     roles = _roles(config)
-    dp, ranks = _ranks(config, "actor")
-    role_ranks = {engine: _ranks(config, engine) for engine in roles.values()}
+    role_ranks = {engine: _ranks(config, engine) for engine in roles.values()}  # "actor" always among them
+    dp, ranks = role_ranks["actor"]
     check_token_budgets(config)
     _, keys = _world(config)
     n = int(_get(config, f"{ARR}.rollout.n", 1))

@@ -106,13 +106,15 @@ def check_sequence_parallel_attention(config: DictConfig) -> None:
     """Ulysses only with an attention that gathers the sequence: under any other each rank attends within its own
     shard, and the run trains on wrong log-probs and entropies without an error (verl's default is
     ``flash_attention_2``)."""
+    from gtpo.launch.batch_checks import ulysses_size
+
     model = config.actor_rollout_ref.model
     attention = str((model.get("override_config", None) or {}).get("attn_implementation", "flash_attention_2"))
     for role in ("actor", "ref"):
-        sp = int(OmegaConf.select(config, f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size", default=1) or 1)
+        key, sp = ulysses_size(config, role)
         if sp > 1 and attention not in ULYSSES_ATTENTION:
             raise ValueError(
-                f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size={sp} with "
+                f"{key}={sp} with "
                 f"actor_rollout_ref.model.override_config.attn_implementation={attention}: verl's Ulysses wraps only "
                 f"{', '.join(ULYSSES_ATTENTION[:2])}; with {attention} each rank would attend within its own shard of "
                 f"the sequence and train on wrong log-probs (use one of {', '.join(ULYSSES_ATTENTION)})"
