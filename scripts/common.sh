@@ -20,8 +20,8 @@
 # must be absolute and outside $HOME (pyxis does not mount it, Apptainer's is quota-limited, and in job mode it is
 # the submitting machine's): set RAY_DATA_HOME=<shared folder> or the paths themselves (ALLOW_HOME_PATHS=1 when
 # $HOME really is shared storage mounted at the same path everywhere). Job mode prints the paths the cluster will
-# read. MODEL_PATH is a local folder (download once: `huggingface-cli download Qwen/Qwen2.5-7B --local-dir ...`) and
-# HF_HUB_OFFLINE=1 keeps every rank off the network.
+# read. MODEL_PATH is a local folder (download once: `hf download Qwen/Qwen2.5-7B --local-dir <folder>`; `hf` is in the
+# image and in .venv/bin) and HF_HUB_OFFLINE=1 keeps every rank off the network.
 #
 # Metric logs go next to the checkpoints (unless set): VERL_FILE_LOGGER_ROOT=${CKPTS_DIR}/logs (verl's file logger),
 # TENSORBOARD_DIR=${CKPTS_DIR}/tensorboard, WANDB_DIR=${CKPTS_DIR} (offline runs). verl's defaults are relative to
@@ -38,16 +38,29 @@
 # the dashboard's job API to anyone who can reach it.
 #
 # Variables read here (besides the ones each launch script defines):
-#   PYTHON                  interpreter for local, dry and preflight runs (python3)
+#   PYTHON                  interpreter for local, dry and preflight runs: python3 when it finds the recipe's packages
+#                           (the image installs them into the system python: docker/Dockerfile), else this checkout's
+#                           .venv/bin/python (scripts/setup_env.sh), so a fresh shell needs nothing activated
+#   GTPO_TRACE              1: print the launch's `set -x` trace on stderr (0: none after this file is sourced); it
+#                           shows paths and names, never a secret (tokens and keys are never on a command line)
 #   ENTRYPOINT              module started by every path (recipe.gtpo.main_gtpo)
 #   SUBMIT_MODE             auto | local | job (auto)
-#   JOB_NO_WAIT             1: `ray job submit --no-wait`, then follow with `ray job logs <id> --follow` (0)
+#   JOB_NO_WAIT             1: `ray job submit --no-wait`, then follow with `ray job logs <id> --follow` (0);
+#                           otherwise the launch exits with the driver's own status (85, 75, ...), not the CLI's
 #   ENV_PASSTHROUGH         names copied into the job's runtime env when set in this shell (W&B project settings,
 #                           HF_ENDPOINT, HF_HUB_OFFLINE; no secrets), besides GTPO_LOG_VARS, which always are
 #   VERL_FILE_LOGGER_ROOT, TENSORBOARD_DIR, WANDB_DIR  log folders, exported (under CKPTS_DIR, see above)
 #   ALLOW_HOME_PATHS        1: accept paths under $HOME on a cluster (0)
+#   RAY_AUTH_MODE           token | disabled: job mode submits with the cluster's Ray token (token); a driver that
+#                           joins a running cluster (RAY_ADDRESS) must carry it too, or it is refused before Ray starts
+#   RAY_AUTH_TOKEN_PATH     the token's file (job mode and a joining driver; a Slurm job exports its own)
 #   HF_HUB_OFFLINE          exported (1)
 
+# The launchers start with `set -x` (house style), whose trace (~170 lines of plumbing per launch) buries the messages
+# that matter: it stops here unless GTPO_TRACE=1 (the group's own trace goes to /dev/null).
+{ [[ "${GTPO_TRACE:-0}" == 1 ]] || set +x; } 2>/dev/null
+# Private by default: checkpoints (torch.load runs code in them), logs and runtime env are this user's alone.
+umask 077
 GTPO_REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 GTPO_PLUGIN_MODULE=gtpo.verl_plugin.register
 
@@ -58,7 +71,15 @@ TEST_FILE=${TEST_FILE:-"[${RAY_DATA_HOME}/data/aime2024.parquet,${RAY_DATA_HOME}
 RAY_ADDRESS=${RAY_ADDRESS:-}
 WORKING_DIR=${WORKING_DIR:-"${GTPO_REPO_ROOT}"}
 RUNTIME_ENV=${RUNTIME_ENV:-"${GTPO_REPO_ROOT}/recipe/gtpo/runtime_env.yaml"}
-PYTHON=${PYTHON:-python3}
+# python3 first where it has the recipe's packages: the sbatch mounts this checkout into the image, where a .venv made
+# on the login node (CPU torch) must not replace the image's python.
+if [[ -z "${PYTHON:-}" ]]; then
+    PYTHON=python3
+    if [[ -x "${GTPO_REPO_ROOT}/.venv/bin/python" ]] && ! python3 -c 'import importlib.util as u, sys
+sys.exit(not (u.find_spec("hydra") and u.find_spec("verl")))' 2>/dev/null; then
+        PYTHON="${GTPO_REPO_ROOT}/.venv/bin/python"
+    fi
+fi
 ENTRYPOINT=${ENTRYPOINT:-recipe.gtpo.main_gtpo}
 SUBMIT_MODE=${SUBMIT_MODE:-auto}
 JOB_NO_WAIT=${JOB_NO_WAIT:-0}
@@ -141,6 +162,35 @@ print(f"[gtpo] runtime env {dst}: env_vars {sorted(env_vars)}", file=sys.stderr)
 PY
 }
 
+# `ray job submit` authenticates to the cluster's dashboard with Ray's token (every cluster the recipe starts requires
+# one): RAY_AUTH_MODE=token, exported here when unset, and the token's file in RAY_AUTH_TOKEN_PATH (a path, never the
+# value: a `set -x` trace would print it). RAY_AUTH_MODE=disabled submits without it, to a cluster started so.
+gtpo_check_ray_auth() {
+    case "${RAY_AUTH_MODE:-token}" in
+        disabled)
+            echo "[gtpo] RAY_AUTH_MODE=disabled: submitting without Ray's token (a cluster started without" \
+                "authentication accepts anyone who can reach it)" >&2
+            return 0
+            ;;
+        token) ;;
+        *)
+            echo "RAY_AUTH_MODE=${RAY_AUTH_MODE}: expected token or disabled" >&2
+            return 1
+            ;;
+    esac
+    export RAY_AUTH_MODE=token
+    if [[ -z "${RAY_AUTH_TOKEN_PATH:-}" ]]; then
+        echo "RAY_ADDRESS=${RAY_ADDRESS}: the cluster's dashboard wants its Ray token and RAY_AUTH_TOKEN_PATH is" \
+            "unset; set it to the token's file (docs/cluster.md, \"Security\": a Slurm job's is under RAY_AUTH_DIR," \
+            "a RayJob's is in its Secret), or RAY_AUTH_MODE=disabled for a cluster started without authentication" >&2
+        return 1
+    fi
+    if [[ ! -f "${RAY_AUTH_TOKEN_PATH}" || ! -r "${RAY_AUTH_TOKEN_PATH}" ]]; then
+        echo "RAY_AUTH_TOKEN_PATH=${RAY_AUTH_TOKEN_PATH}: not a readable file" >&2
+        return 1
+    fi
+}
+
 # Why this launch counts as a cluster run (printed), or status 1 when it does not.
 gtpo_cluster_reason() {
     local mode=$1
@@ -169,7 +219,7 @@ gtpo_check_paths() {
             item=${item//[\"\' ]/}
             if [[ "${item}" != /* ]]; then
                 echo "${var}=${item}: not an absolute path; on a cluster (${reason}) every node must read it at the" \
-                    "same place (MODEL_PATH is a local folder, not a hub id: huggingface-cli download --local-dir)" >&2
+                    "same place (MODEL_PATH is a local folder, not a hub id: hf download <repo> --local-dir <dir>)" >&2
                 return 1
             fi
             if [[ "${ALLOW_HOME_PATHS}" != 1 && -n "${HOME:-}" ]] \
@@ -189,10 +239,12 @@ gtpo_check_paths() {
 
 # Launcher arguments that would run something else than the command line says, refused before Python starts:
 # an environment variable passed as an argument (DRY_RUN=1 after the script name is a Hydra key, not the variable),
-# and a method= or model= other than the launcher's own (its knobs, MODEL_PATH, NNODES and run names are that
-# method's and model's). Unknown preset names are Hydra's to refuse (configs/<group>/<name>.yaml must exist).
+# a method= or model= without a preset (configs/<group>/<name>.yaml), and a method= or model= other than the
+# launcher's own (its knobs, MODEL_PATH, NNODES and run names are that method's and model's), answered with the
+# launcher that has them. The other groups' names are Hydra's to refuse (one line: recipe/gtpo/main_gtpo.py).
 gtpo_check_args() {
-    local script=${BASH_SOURCE[-1]} arg group value
+    local script=${BASH_SOURCE[-1]} arg group value valid
+    local -a presets
     local -A first=()
     for arg in "$@"; do
         if [[ "${arg}" =~ ^[A-Z][A-Z0-9_]*= ]]; then
@@ -203,16 +255,46 @@ gtpo_check_args() {
         for group in method model; do
             [[ "${arg}" == "${group}="* ]] || continue
             value=${arg#*=}
+            if [[ ! -f "${GTPO_REPO_ROOT}/configs/${group}/${value}.yaml" ]]; then
+                presets=("${GTPO_REPO_ROOT}/configs/${group}"/*.yaml)
+                presets=("${presets[@]##*/}")
+                printf -v valid '%s, ' "${presets[@]%.yaml}"
+                echo "${arg}: no such preset (configs/${group}/${value}.yaml); valid: ${valid%, }" >&2
+                return 1
+            fi
             if [[ -z "${first[${group}]:-}" ]]; then
                 first[${group}]=${value}
             elif [[ "${first[${group}]}" != "${value}" ]]; then
-                echo "${group}=${value} on the command line of ${script}, a launcher for ${group}=${first[${group}]}:" \
+                echo "${arg} on the command line of ${script}, a launcher for ${group}=${first[${group}]}:" \
                     "its knobs, model path, node count and run names are those of ${group}=${first[${group}]};" \
-                    "use the launcher of ${group}=${value} (scripts/run_<method>_qwen2.5_<size>.sh)" >&2
+                    "$(gtpo_launcher_of "${group}" "${value}" "${first[method]:-}" "${first[model]:-}")" >&2
                 return 1
             fi
         done
     done
+}
+
+# "use <launcher>" for <group>=<value> (method or model) with the launcher's other preset, else the launchers that
+# exist for <value>.
+gtpo_launcher_of() {
+    local group=$1 value=$2 method=$3 model=$4 name
+    local -a found
+    if [[ "${group}" == method ]]; then
+        name=run_${value}_${model}.sh
+        found=("${GTPO_REPO_ROOT}/scripts/run_${value}_qwen2.5_"*.sh)
+    else
+        name=run_${method}_${value}.sh
+        found=("${GTPO_REPO_ROOT}/scripts/run_"*"_${value}.sh")
+    fi
+    if [[ -f "${GTPO_REPO_ROOT}/scripts/${name}" ]]; then
+        echo "use scripts/${name}"
+    elif [[ -f "${found[0]}" ]]; then
+        found=("${found[@]##*/}")
+        printf -v name 'scripts/%s, ' "${found[@]}"
+        echo "use $( ((${#found[@]} > 1)) && echo "one of ")${name%, }"
+    else
+        echo "no launcher has ${group}=${value}"
+    fi
 }
 
 # Run the recipe: dry run, preflight, local run or Ray job, with the infrastructure overrides first and "$@" after them.
@@ -253,14 +335,27 @@ gtpo_launch() {
         exec "${PYTHON}" -m "${module}" "${overrides[@]}"
     fi
 
+    gtpo_check_ray_auth || return 1
     local env_file
     env_file=$(mktemp "${TMPDIR:-/tmp}/gtpo_runtime_env.XXXXXX")
     # shellcheck disable=SC2064  # expand now: the trap must remove this very file
     trap "rm -f '${env_file}'" EXIT
     gtpo_write_runtime_env "${env_file}"
-    local -a submit=(ray job submit --address "${RAY_ADDRESS}" --runtime-env "${env_file}" --working-dir "${WORKING_DIR}")
+    # `ray job submit` exits 1 on FAILED and 0 otherwise: the driver's own code (85 saved for a preemption, 75 a
+    # stalled stage) is read back from the job under a submission id of ours (gtpo/launch/job_exit.py).
+    local job_id rc=0
+    job_id=gtpo_$(date -u +%Y%m%dT%H%M%SZ)_$$_${RANDOM}
+    local -a submit=(ray job submit --address "${RAY_ADDRESS}" --submission-id "${job_id}" --runtime-env "${env_file}"
+        --working-dir "${WORKING_DIR}")
     if [[ "${JOB_NO_WAIT}" == 1 ]]; then
         submit+=(--no-wait)
     fi
-    "${submit[@]}" -- python3 -m "${module}" "${overrides[@]}"
+    "${submit[@]}" -- python3 -m "${module}" "${overrides[@]}" || rc=$?
+    if [[ "${JOB_NO_WAIT}" == 1 ]]; then
+        echo "[gtpo] job ${job_id} submitted: ray job logs --address ${RAY_ADDRESS} ${job_id} --follow; once it" \
+            "has ended, ${PYTHON} -m gtpo.launch.job_exit ${job_id} --address ${RAY_ADDRESS} exits with its driver's" \
+            "status" >&2
+        return "${rc}"
+    fi
+    "${PYTHON}" -m gtpo.launch.job_exit "${job_id}" --address "${RAY_ADDRESS}" --cli-status "${rc}"
 }

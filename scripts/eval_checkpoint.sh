@@ -8,12 +8,17 @@
 #
 #   bash scripts/eval_checkpoint.sh scripts/run_gtpo_qwen2.5_7b.sh <ckpts>/global_step_200 [hydra overrides]
 #   EVAL_DIR=/shared/eval/gtpo-200 bash scripts/eval_checkpoint.sh ...      # where the dump and tables go
-#   DRY_RUN=1 bash scripts/eval_checkpoint.sh ...                            # resolve + validate only
+#   DRY_RUN=1 bash scripts/eval_checkpoint.sh ...                            # resolve + validate only, and check
+#                                                                            # the checkpoint is here and complete
 #
 # The checkpoint folder is verl's <trainer.default_local_dir>/global_step_<N>; the evaluation runs on the same
 # cluster shape as training (FSDP shards are loaded as saved). EVAL_DIR must be readable here after the run: with
 # job submission (RAY_ADDRESS=http://...) put it on storage this shell shares with the cluster.
 set -xeuo pipefail
+# The trace only when asked for, as in scripts/common.sh (GTPO_TRACE=1).
+{ [[ "${GTPO_TRACE:-0}" == 1 ]] || set +x; } 2>/dev/null
+# Private by default, as scripts/common.sh makes the launcher it calls: the dump and the tables written here.
+umask 077
 
 if [[ $# -lt 2 ]]; then
     echo "usage: $0 <launch script> <checkpoint folder .../global_step_N> [hydra overrides]" >&2
@@ -33,10 +38,24 @@ if [[ "${JOB_NO_WAIT:-0}" == 1 ]]; then
 fi
 # Absolute paths: the launch scripts run from the repository root.
 [[ "${checkpoint}" == /* ]] || checkpoint="${PWD}/${checkpoint}"
+# The dry run checks the checkpoint it would evaluate: here (below), complete (the launcher's dry run, as the resume
+# defines it: gtpo/trainer/checkpoints.py).
+if [[ "${DRY_RUN:-0}" == 1 || "${DRY_RUN:-0}" == true ]] && [[ ! -d "${checkpoint}" ]]; then
+    echo "checkpoint=${checkpoint}: no such folder" >&2
+    exit 2
+fi
 
 # Infrastructure
 EVAL_DIR=${EVAL_DIR:-"${checkpoint}/eval"}
-PYTHON=${PYTHON:-python3}
+# As scripts/common.sh: python3 where it has the recipe's packages (the image), else this checkout's .venv.
+if [[ -z "${PYTHON:-}" ]]; then
+    PYTHON=python3
+    venv_python="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv/bin/python"
+    if [[ -x "${venv_python}" ]] && ! python3 -c 'import importlib.util as u, sys
+sys.exit(not (u.find_spec("hydra") and u.find_spec("verl")))' 2>/dev/null; then
+        PYTHON=${venv_python}
+    fi
+fi
 EVAL_ARGS=${EVAL_ARGS:-"--sampling paper"}
 # Samples per problem: Table 1's Mean@32 / Pass@4 / Pass@32 (in-loop validation uses the launchers' val_n = 4).
 EVAL_N=${EVAL_N:-32}

@@ -19,7 +19,8 @@
 #   bash scripts/run_smoke_qwen2.5_0.5b.sh method=dapo_forking          # any method preset
 #   NGPUS_PER_NODE=2 bash scripts/run_smoke_qwen2.5_0.5b.sh             # data-parallel size 2
 #   DRY_RUN=1 bash scripts/run_smoke_qwen2.5_0.5b.sh                    # resolve + validate both phases, no Ray
-#   huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir "$RAY_DATA_HOME/models/Qwen2.5-0.5B-Instruct"
+#   .venv/bin/hf download Qwen/Qwen2.5-0.5B-Instruct --local-dir "$RAY_DATA_HOME/models/Qwen2.5-0.5B-Instruct"
+#                                                                       # the model, once (`hf` inside the image)
 set -xeuo pipefail
 
 # Algorithm: GTPO unless the command line names a method (method=<name>); the run and checkpoint names follow it.

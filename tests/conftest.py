@@ -120,6 +120,8 @@ def ray_cluster(tmp_path_factory):
     head = RayCluster(temp_dir)
     try:
         head.start()
+        # What joins it from this process or a child (a driver, the demo, a preStop hook) carries its token.
+        os.environ.update(head.auth_env)
         yield head
     finally:
         head.stop()
@@ -132,7 +134,12 @@ def ray_session(ray_cluster):
     import ray
 
     if not ray.is_initialized():
-        os.environ["RAY_AUTH_MODE"] = "disabled"
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        # Ray reads RAY_AUTH_MODE and the token once per process: reload both, as its own ray.init does after it
+        # turns authentication on (ray/_private/authentication/authentication_token_setup.py)
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
         ray.init(address=ray_cluster.address, log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -45,6 +45,15 @@ class RayCluster:
         self.temp_dir = temp_dir
         self.nodes = nodes
         self.procs: list[subprocess.Popen] = []
+        self.token_path: Path | None = None
+
+    @property
+    def auth_env(self) -> dict[str, str]:
+        """What a driver or client needs to join: ``RAY_AUTH_MODE=token`` and the path of this cluster's token."""
+        from gtpo.private_files import ray_token_env
+
+        assert self.token_path is not None, "the cluster has not started"
+        return ray_token_env(self.token_path)
 
     @property
     def proc(self) -> subprocess.Popen | None:
@@ -52,9 +61,11 @@ class RayCluster:
         return self.procs[0] if self.procs else None
 
     def start(self, timeout: float = 180.0) -> None:
-        from gtpo.cpu.cluster import cluster_env, node_command, wait_for_nodes
+        from gtpo.cpu.cluster import cluster_env, new_token, node_command, wait_for_nodes
 
-        env = cluster_env()
+        # The token beside the session folders, as `python -m gtpo.cpu.cluster start` keeps it.
+        self.token_path = new_token(self.temp_dir.parent)
+        env = cluster_env(self.token_path)
         for i in range(self.nodes):
             temp_dir = self.temp_dir if i == 0 else self.temp_dir.with_name(f"{self.temp_dir.name}{i}")
             cmd = node_command(head_port=self.port, head=i == 0, gpus=1, temp_dir=temp_dir, block=True)
@@ -62,7 +73,7 @@ class RayCluster:
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
             if i == 0:
                 self._wait_for_head(timeout, Path(log.name))
-        wait_for_nodes(self.address, self.nodes, timeout=timeout, procs=self.procs)
+        wait_for_nodes(self.address, self.nodes, self.token_path, timeout=timeout, procs=self.procs)
 
     def _wait_for_head(self, timeout: float, log_path: Path) -> None:
         deadline = time.monotonic() + timeout
@@ -79,7 +90,7 @@ class RayCluster:
         from gtpo.cpu.cluster import cluster_env, ray_executable
 
         cmd = [ray_executable(), "status", f"--address={self.address}"]
-        return subprocess.run(cmd, capture_output=True, text=True, env=cluster_env(), timeout=60)
+        return subprocess.run(cmd, capture_output=True, text=True, env=cluster_env(self.token_path), timeout=60)
 
     def wait_until_free(self, timeout: float = 180.0) -> None:
         """Wait while an earlier job still holds the cluster's GPU slot (a run killed by a timeout frees it only once
@@ -138,7 +149,7 @@ def _recipe_launch(
     env = dict(os.environ)
     env.update(cpu_env())
     env["RAY_ADDRESS"] = cluster.address
-    env["RAY_AUTH_MODE"] = "disabled"
+    env.update(cluster.auth_env)
     env["PYTHONUNBUFFERED"] = "1"
     log_env = {"VERL_FILE_LOGGER_PATH": str(metrics_path)} if log_env is None else log_env
     cmd = [

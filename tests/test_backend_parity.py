@@ -50,6 +50,7 @@ CPU_ONLY = {
     "trainer.save_freq": "cadence: each test run sets its own",
     "trainer.test_freq": "cadence: each test run sets its own",
     "trainer.max_actor_ckpt_to_keep": "retention: each resume test sets its own",
+    "trainer.logger": "trackers: no W&B account on a test machine; each run that reads metrics adds the file logger",
     "trainer.nnodes": "GPU count",
     "trainer.n_gpus_per_node": "GPU count",
 }

@@ -11,6 +11,8 @@ nothing of the earlier saves but what is on disk.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import shlex
 import shutil
 import sys
@@ -325,6 +327,54 @@ def test_the_driver_refuses_before_ray_starts_where_it_sees_the_folder(root):
     assert checkpoint_world_size.check_world_size_before_launch(named, SYNC) == str(root / "global_step_2")
 
 
+NOBODY = 65534  # another user's uid (the tests run as root, which may chown)
+
+
+@pytest.mark.parametrize(
+    "plant,what,why",
+    [
+        (lambda root, step: os.chmod(root, 0o777), "trainer.default_local_dir={root}", "mode 0777 lets group or"),
+        (lambda root, step: os.chown(root, NOBODY, -1), "trainer.default_local_dir={root}", f"owned by uid {NOBODY}"),
+        (lambda root, step: os.chmod(step, 0o775), "checkpoint={step}", "mode 0775 lets group or others"),
+        (lambda root, step: os.chmod(step / "actor", 0o757), "a folder of the checkpoint={step}/actor", "mode 0757"),
+        (
+            lambda root, step: (
+                shutil.move(step / "actor", root / "elsewhere"),
+                (step / "actor").symlink_to(root / "elsewhere"),
+            ),
+            "a folder of the checkpoint={step}/actor",
+            "a symbolic link (to ",
+        ),
+    ],
+    ids=["open-root", "root-of-another-user", "group-writable-step", "others-writable-actor", "symlinked-actor"],
+)
+def test_the_driver_refuses_to_resume_from_a_folder_others_could_plant_files_in(root, plant, what, why):
+    """verl loads the shards and data.pt with torch.load(weights_only=False): before Ray starts the driver refuses
+    the folder a resume would load (and, under auto, trainer.default_local_dir) unless only this user can write it,
+    naming the folder, its owner or mode and the fix; the world size is not even looked at."""
+    step = save(root, 2, world_size=2)  # another world size than the run's: the privacy check comes first
+    plant(root, step)
+    expect = f"cannot resume: {what.format(root=root, step=step)}: {why}"
+    with pytest.raises(RuntimeError, match=re.escape(expect)) as err:
+        checkpoint_world_size.check_world_size_before_launch(_trainer_cfg(root), SYNC)
+    fixes = ("give the real folder", "chmod go-w", "use a folder of your own")
+    assert "\n" not in str(err.value) and any(fix in str(err.value) for fix in fixes)
+
+
+def test_an_evaluation_refuses_a_named_checkpoint_others_could_write(root):
+    """scripts/eval_checkpoint.sh resumes with trainer.resume_from_path=<folder>: the folder it names is checked the
+    same way (its parent is not: evaluating a folder of one's own inside a shared one is allowed)."""
+    step = save(root, 2, world_size=1)
+    named = _trainer_cfg(root, resume_mode="resume_path", resume_from_path=str(step))
+    os.chmod(root, 0o777)
+    assert checkpoint_world_size.check_world_size_before_launch(named, SYNC) == str(step)
+    os.chown(step / "data.pt", NOBODY, -1)  # files are not judged: only this user (or root) can put one there
+    assert checkpoint_world_size.check_world_size_before_launch(named, SYNC) == str(step)
+    os.chown(step, NOBODY, -1)
+    with pytest.raises(RuntimeError, match=re.escape(f"trainer.resume_from_path={step}: owned by uid {NOBODY}")):
+        checkpoint_world_size.check_world_size_before_launch(named, SYNC)
+
+
 @pytest.mark.parametrize("mode", ["disable", "auto", "resume_path"])
 def test_nothing_to_check_when_there_is_no_resume_or_no_folder(root, mode):
     cfg = _trainer_cfg(root / "not_here", resume_mode=mode, resume_from_path=str(root / "missing"))
@@ -332,6 +382,7 @@ def test_nothing_to_check_when_there_is_no_resume_or_no_folder(root, mode):
 
 
 def test_prepare_config_refuses_the_resume_before_ray_starts(root, monkeypatch):
+    import gtpo.verl_plugin.register  # noqa: F401  (the estimators, as main() registers them before prepare_config)
     from recipe.gtpo.main_gtpo import prepare_config
     from tests.test_configs import compose
 
@@ -347,6 +398,7 @@ def test_prepare_config_refuses_the_resume_before_ray_starts(root, monkeypatch):
 def test_prepare_config_reads_an_async_run_checkpoints_as_its_trainer_does(root, monkeypatch):
     """Under colocate_async a folder without transfer_queue/ is incomplete: the driver skips it as the trainer's
     resume would, and checks the complete one it would load instead (saved at this world size)."""
+    import gtpo.verl_plugin.register  # noqa: F401  (the estimators, as main() registers them before prepare_config)
     from recipe.gtpo.main_gtpo import prepare_config
     from tests.test_configs import compose
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -267,3 +268,8 @@ def test_the_sweeps_own_cluster_is_a_new_local_one(monkeypatch):
     monkeypatch.setattr(compare.os, "environ", dict(compare.os.environ))  # start_local_ray writes the CPU env
     assert compare.start_local_ray(2) == "127.0.0.1:1"
     assert seen["address"] == "local" and seen["num_gpus"] == 2
+    # a token of its own that the sweep's runs inherit (never authentication turned off)
+    assert compare.os.environ["RAY_AUTH_MODE"] == "token"
+    token = Path(compare.os.environ["RAY_AUTH_TOKEN_PATH"])
+    assert len(token.read_text()) == 64 and token.stat().st_mode & 0o077 == 0
+    assert token.parent.stat().st_mode & 0o077 == 0

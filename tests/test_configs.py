@@ -243,3 +243,21 @@ def test_scale_presets_set_the_run_length_and_vllm_context(scale, steps, max_mod
     assert cfg.trainer.total_training_steps == steps
     assert cfg.actor_rollout_ref.rollout.max_model_len == max_model_len
     assert max_model_len == cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
+@pytest.mark.parametrize(
+    "overrides,loggers",
+    [
+        (["model=qwen2.5_7b"], ["console", "wandb", "file"]),
+        (["model=qwen2.5_32b"], ["console", "wandb", "file"]),
+        (["model=qwen2.5_0.5b", "scale=smoke"], ["console", "file"]),  # the smoke launcher's: no tracker account
+    ],
+)
+def test_cluster_presets_keep_the_metric_history_in_a_file(overrides, loggers):
+    """verl's ``file`` logger in every cluster preset: the JSONL metric history exists without W&B (verl's own
+    default is console + wandb)."""
+    from verl.utils.tracking import Tracking
+
+    cfg = compose(["method=gtpo", *overrides])
+    assert list(cfg.trainer.logger) == loggers
+    assert set(loggers) <= set(Tracking.supported_backend)

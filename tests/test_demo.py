@@ -411,6 +411,31 @@ def test_an_unknown_method_is_one_line_naming_presets_and_estimators(capsys):
     assert demo.method_overrides("rloo") == ["algorithm.adv_estimator=rloo"]
 
 
+@pytest.mark.slow  # one verl import per case in the trainer's entry point (~15 s on two cores)
+@pytest.mark.parametrize("override", [None, "trainer.total_training_step=5"])
+def test_the_dry_run_validates_the_trainer_config_with_the_overrides(assets, capsys, tmp_path, override):
+    """``--dry-run -- <override>`` used to print the trainer command and exit 0 whatever the override; now the entry
+    point checks it as a launcher's DRY_RUN=1 does (the full config composed and validated, no Ray), a misspelt key
+    is one line and exit 2, and nothing is written (no output folder, no Hydra folder)."""
+    out = tmp_path / "out"
+    cache = Path(assets.model_dir).parents[1]  # the module's assets, not rebuilt
+    argv = ["--dry-run", "--steps", "3", "--out", str(out), "--cache-dir", str(cache)]
+    code = demo.main(argv + (["--", override] if override else []))
+    captured = capsys.readouterr()
+    assert not out.exists()  # nor its hydra/ folder, which a real run's hydra.run.dir names
+    if override is None:
+        assert code == 0, captured.err[-2000:]
+        assert captured.out.splitlines()[-1].startswith("[dry run] OK: configuration resolved and validated")
+        assert "[dry run] batch: 8 prompts x n=16 = 128 sequences/step in 4 mini-batch(es)" in captured.out
+        return
+    assert code == 2
+    assert captured.err.splitlines()[0] == (
+        "gtpo: invalid configuration: trainer.total_training_step: no key 'total_training_step' in trainer; "
+        "closest: trainer.total_training_steps"
+    )
+    assert "Traceback" not in captured.err and "[dry run] OK" not in captured.out
+
+
 def test_a_local_run_starts_its_own_ray_even_when_a_gone_cluster_is_recorded(monkeypatch, tmp_path):
     """A node killed without ``ray stop`` leaves its address in ``<tmp>/ray/ray_current_cluster``; ``ray.init()``
     without an address would join it (and refuse the trainer's num_cpus). The trainer's environment says "local"."""
@@ -425,5 +450,13 @@ def test_a_local_run_starts_its_own_ray_even_when_a_gone_cluster_is_recorded(mon
     assert canonicalize_bootstrap_address(None) is not None  # what verl's ray.init() would join
     monkeypatch.setenv("RAY_ADDRESS", trainer_env()["RAY_ADDRESS"])
     assert canonicalize_bootstrap_address(None) is None  # a new local instance
+    # joining a cluster, the trainer carries that cluster's token variables from this environment, unchanged
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/private/token")
     joined = trainer_env("10.0.0.1:6379")
-    assert joined["RAY_ADDRESS"] == "10.0.0.1:6379" and joined["RAY_AUTH_MODE"] == "disabled"
+    assert joined["RAY_ADDRESS"] == "10.0.0.1:6379" and joined["RAY_AUTH_TOKEN_PATH"] == "/private/token"
+    # a local cluster gets a fresh token of its own in the private folder given
+    (tmp_path / "auth").mkdir(mode=0o700)
+    local = trainer_env(None, tmp_path / "auth")
+    assert local["RAY_AUTH_MODE"] == "token" and local["RAY_AUTH_TOKEN_PATH"] == str(tmp_path / "auth" / "token")
+    assert len((tmp_path / "auth" / "token").read_text()) == 64

@@ -222,9 +222,7 @@ def test_separate_async_dry_run_states_the_nodes_the_engine_and_the_batch_note(c
 
     run_dry(compose("model=qwen2.5_32b", "trainer=separate_async", "actor_rollout_ref.rollout.nnodes=2"))
     out = capsys.readouterr().out
-    assert (
-        "+ standalone rollout pool 2 node(s) x 8 GPU(s) (vLLM replicas=4, tp=4): the cluster needs 6 GPU nodes" in out
-    )
+    assert "+ standalone rollout pool 2 node(s) x 8 GPU(s) (vLLM replicas=4, tp=4): 6 GPU nodes, or fewer where" in out
     assert "[dry run] checkpoint engine: nccl, needs cupy: does NOT import here" in out  # no cupy on this machine
     assert "[dry run] note: algorithm.gtpo.norm_scope=batch, algorithm.gtpo.weight_scope=batch" in out
 
@@ -252,3 +250,166 @@ def test_a_bad_knob_on_a_launcher_is_one_line_and_exit_2(tmp_path):
     env = {**dry_run_env(tmp_path), "GTPO_TRACEBACK": "1"}
     traced = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert traced.returncode != 0 and "Traceback" in traced.stderr and "alpha2='abc'" in traced.stderr
+
+
+def _composition_error(*overrides: str) -> Exception:
+    from gtpo.launch.dry_run import compose_config
+
+    try:
+        compose_config(["method=gtpo", "model=qwen2.5_7b", *overrides])
+    except Exception as err:  # Hydra's composition errors, whatever their class
+        return err
+    raise AssertionError(f"{overrides} composed")
+
+
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        # a misspelt key: the closest keys at its level, not Hydra's advice to add it with `+`
+        (
+            "trainer.total_training_step=5",
+            "trainer.total_training_step: no key 'total_training_step' in trainer; closest: "
+            "trainer.total_training_steps",
+        ),
+        ("trainer.v1x.trainer_mode=x", "trainer.v1x.trainer_mode: no key 'v1x' in trainer; closest: trainer.v1"),
+        ("algorithm.gtpo.alpah2=0.2", "algorithm.gtpo.alpah2: no key 'alpah2' in algorithm.gtpo; closest: "),
+        # nothing close: every key of that level
+        ("trainer.zzzzzz=1", "trainer.zzzzzz: no key 'zzzzzz' in trainer; valid: trainer.balance_batch, "),
+        ("sampling=papr", "sampling=papr: no preset 'papr' in group sampling; valid: dapo, paper, r1"),
+        ("method=gtpoo", "method=gtpoo: no preset 'gtpoo' in group method; valid: dapo, dapo_forking, grpo, grpo_s, "),
+        ("trainer.nnodes=[1", "trainer.nnodes=[1: not an override (no viable alternative at input '[1')"),
+        ("+trainer.nnodes=2", "Could not append to config. An item is already at 'trainer.nnodes'."),
+    ],
+)
+def test_composition_errors_are_one_line_naming_the_valid_names(compose, override, line):
+    from gtpo.launch.dry_run import config_error_line
+
+    message = config_error_line(_composition_error(override))
+    assert message.startswith(line) and "\n" not in message, message
+    assert "To append to your config use +" not in message
+
+
+def test_other_errors_are_not_composition_errors():
+    from gtpo.launch.dry_run import config_error_line
+
+    assert config_error_line(ValueError("x")) is None and config_error_line(KeyError("trainer")) is None
+
+
+@pytest.fixture
+def entry_point(monkeypatch, capsys):
+    """``python -m recipe.gtpo.main_gtpo <overrides>`` in this process, up to Hydra's composition."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from recipe.gtpo import main_gtpo
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("GTPO_TRACEBACK", raising=False)
+
+    def run(*overrides: str) -> tuple[int, str]:
+        monkeypatch.setattr("sys.argv", ["main_gtpo.py", *overrides])
+        try:
+            with pytest.raises(SystemExit) as exited:
+                main_gtpo.main()
+        finally:
+            GlobalHydra.instance().clear()
+        return exited.value.code, capsys.readouterr().err
+
+    return run
+
+
+@pytest.mark.parametrize("full_error", ["1", None])
+def test_the_entry_point_prints_a_misspelt_key_in_one_line(entry_point, monkeypatch, full_error):
+    """With or without HYDRA_FULL_ERROR (scripts/common.sh exports 1): one line and CONFIG_ERROR_EXIT, before any
+    check or Ray; GTPO_TRACEBACK=1 gives Hydra's exception itself."""
+    from hydra.errors import ConfigCompositionException
+
+    from recipe.gtpo.main_gtpo import CONFIG_ERROR_EXIT
+
+    if full_error:
+        monkeypatch.setenv("HYDRA_FULL_ERROR", full_error)
+    else:
+        monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    code, err = entry_point("method=gtpo", "trainer.total_training_step=5")
+    assert code == CONFIG_ERROR_EXIT == 2
+    assert err == (
+        "gtpo: invalid configuration: trainer.total_training_step: no key 'total_training_step' in trainer; "
+        "closest: trainer.total_training_steps\n"
+    )
+    code, err = entry_point("method=gtpoo")
+    assert code == 2 and err.startswith("gtpo: invalid configuration: method=gtpoo: no preset 'gtpoo' in group method")
+    assert err.count("\n") == 1
+    monkeypatch.setenv("GTPO_TRACEBACK", "1")
+    monkeypatch.setattr("sys.argv", ["main_gtpo.py", "trainer.total_training_step=5"])
+    from recipe.gtpo import main_gtpo
+
+    with pytest.raises(ConfigCompositionException, match="total_training_step"):
+        main_gtpo.main()
+
+
+def test_the_dry_run_entry_point_keeps_hydras_folder_out_of_the_working_directory(monkeypatch):
+    """scratch_run_dir: hydra.run.dir=<tmp> before the first override (Hydra's parser takes no override after a flag;
+    a hydra.run.dir of the caller's comes later and wins), the folder gone afterwards, argv restored."""
+    from gtpo.launch.dry_run import scratch_run_dir
+
+    argv = ["main_gtpo.py", "--config-name", "gtpo_trainer", "method=gtpo", "hydra.run.dir=/mine"]
+    with scratch_run_dir(argv) as tmp:
+        assert Path(tmp).is_dir()
+        assert argv == ["main_gtpo.py", "--config-name", "gtpo_trainer", f"hydra.run.dir={tmp}", "method=gtpo",
+                        "hydra.run.dir=/mine"]  # fmt: skip
+        (Path(tmp) / ".hydra").mkdir()
+    assert not Path(tmp).exists() and argv[3] == "method=gtpo" and len(argv) == 5
+    bare = ["main_gtpo.py"]
+    with scratch_run_dir(bare) as tmp:
+        assert bare == ["main_gtpo.py", f"hydra.run.dir={tmp}"]
+
+
+def complete_checkpoint(folder: Path, step: int, world_size: int = 8) -> Path:
+    """A checkpoint folder as the recipe's resume calls complete (gtpo/trainer/checkpoints.py): every rank's shards
+    in actor/, data.pt and gtpo_state.json of its step."""
+    from gtpo.trainer.checkpoint_state import save_state
+
+    (folder / "actor").mkdir(parents=True)
+    for kind in ("model", "optim", "extra_state"):
+        for rank in range(world_size):
+            (folder / "actor" / f"{kind}_world_size_{world_size}_rank_{rank}.pt").write_bytes(b"x")
+    (folder / "data.pt").write_bytes(b"x")
+    save_state(str(folder), step)
+    return folder
+
+
+def test_a_validation_only_run_needs_its_checkpoint_here_and_complete(compose, capsys, tmp_path):
+    """scripts/eval_checkpoint.sh's dry run (trainer.val_only=true, resume_mode=resume_path) evaluates that very
+    checkpoint: missing or incomplete, it fails naming the folder and what it lacks; a training resume only says so."""
+    from gtpo.launch.dry_run import run_dry
+
+    folder = tmp_path / "global_step_30"
+    evaluate = ("model=qwen2.5_7b", "trainer.val_only=true", "trainer.resume_mode=resume_path")
+    with pytest.raises(ValueError, match=rf"trainer.resume_from_path={folder}: no such folder here"):
+        run_dry(compose(*evaluate, f"trainer.resume_from_path={folder}"))
+    complete_checkpoint(folder, 30)
+    run_dry(compose(*evaluate, f"trainer.resume_from_path={folder}"))
+    assert f"[dry run] resume: trainer.resume_from_path={folder}, a complete checkpoint" in capsys.readouterr().out
+    (folder / "gtpo_state.json").unlink()
+    (folder / "actor" / "optim_world_size_8_rank_7.pt").unlink()
+    with pytest.raises(ValueError, match=r"incomplete checkpoint: actor/ lacks optim_world_size_8_rank_7.pt, no gtpo"):
+        run_dry(compose(*evaluate, f"trainer.resume_from_path={folder}"))
+    # training from it: reported, not refused (the trainer loads a named folder as asked, with a warning)
+    run_dry(compose("model=qwen2.5_7b", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={folder}"))
+    assert "incomplete checkpoint: actor/ lacks optim_world_size_8_rank_7.pt" in capsys.readouterr().out
+
+
+def test_the_preflight_and_the_dry_run_cli_print_a_misspelt_key_in_one_line(compose, capsys, monkeypatch):
+    """Both compose the config themselves (Hydra's compose API): one line naming the closest key, exit 2."""
+    from gtpo.launch import dry_run, preflight
+
+    monkeypatch.delenv("GTPO_TRACEBACK", raising=False)
+    assert preflight.main(["method=gtpo", "trainer.total_training_step=5"]) == 2
+    out = capsys.readouterr().out
+    assert out == (
+        "[preflight] FAIL config: trainer.total_training_step: no key 'total_training_step' in trainer; closest: "
+        "trainer.total_training_steps\n"
+    )
+    assert dry_run.main(["method=gtpoo"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("[dry run] FAILED: method=gtpoo: no preset 'gtpoo' in group method; valid: dapo,")
+    assert err.count("\n") == 1

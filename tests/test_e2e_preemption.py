@@ -74,7 +74,7 @@ def test_sigusr1_then_a_prestop_request_each_save_the_step_in_flight_and_exit_85
     hook = subprocess.run(
         [sys.executable, "-m", "gtpo.trainer.preemption", "request", f"--address={ray_cluster.address}",
          "--wait=300"],
-        cwd=REPO_ROOT, env={**os.environ, "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True, timeout=360,
+        cwd=REPO_ROOT, env={**os.environ, **ray_cluster.auth_env}, capture_output=True, text=True, timeout=360,
     )  # fmt: skip
     assert hook.returncode == 0, hook.stderr[-3000:]
     assert "the trainer saved (step " in hook.stderr, hook.stderr[-3000:]

@@ -226,7 +226,7 @@ def test_launcher_rollout_settings_run_on_cpu_with_the_async_pause(ray_cluster, 
     metrics_path = log_root / str(cpu_run["trainer.project_name"]) / f"{cpu_run['trainer.experiment_name']}.jsonl"
     two_nodes = {"NNODES": "2", "NGPUS_PER_NODE": "1", "ALLOW_HOME_PATHS": "1"}
     env = _launcher_env(
-        tmp_path, demo_assets, {"RAY_ADDRESS": ray_cluster.address, "RAY_AUTH_MODE": "disabled", **two_nodes}
+        tmp_path, demo_assets, {"RAY_ADDRESS": ray_cluster.address, **ray_cluster.auth_env, **two_nodes}
     )
     env.pop("DRY_RUN")
     env.update({k: v for k, v in cpu_env(base=env).items()})

@@ -104,7 +104,7 @@ def test_eval_checkpoint_of_a_one_step_run(ray_cluster, tiny_assets, tmp_path):
     env.update(cpu_env())
     env.update(
         RAY_ADDRESS=ray_cluster.address,
-        RAY_AUTH_MODE="disabled",
+        **ray_cluster.auth_env,
         PYTHON=sys.executable,
         EVAL_DIR=str(eval_dir),
         EVAL_ARGS="--sampling paper --num-workers 1 --no-progress",

@@ -42,6 +42,8 @@ def launch(tmp_path):
     )
     home = tmp_path / "home" / "alice"
     home.mkdir(parents=True)
+    token = tmp_path / "token"
+    token.write_text("t" * 64)
 
     def run(path: Path, *args: str, **extra: str):
         env = {
@@ -61,6 +63,8 @@ def launch(tmp_path):
             GLOO_SOCKET_IFNAME="eno1",
             VLLM_ATTENTION_BACKEND="XFORMERS",
         )
+        # the cluster's Ray token, which job mode submits with (a test removes it with RAY_AUTH_TOKEN_PATH="")
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
         env.update(extra)
         proc = subprocess.run(["bash", str(path), *args], env=env, capture_output=True, text=True)
         calls = log.read_text().splitlines() if log.exists() else []
@@ -104,17 +108,65 @@ def test_job_mode_refuses_submitter_only_paths(launch, extra, message):
 def test_job_mode_with_shared_paths_submits_and_prints_them(launch):
     proc, calls, _ = launch(script(), **JOB, RAY_DATA_HOME="/shared/verl")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (call,) = calls
-    assert call.startswith("ray job submit --address http://head:8265")
+    call, exit_call = calls
+    assert call.startswith("ray job submit --address http://head:8265 --submission-id gtpo_")
+    # then the driver's own status, read back under that id (the CLI's status only as a fallback)
+    job_id = call.split()[6]
+    assert exit_call.startswith(f"python -m gtpo.launch.job_exit {job_id} --address http://head:8265 --cli-status 0 ")
     assert "paths the cluster will read" in proc.stderr
     assert "MODEL_PATH=/shared/verl/models/Qwen2.5-32B" in proc.stderr
     assert "actor_rollout_ref.model.path=/shared/verl/models/Qwen2.5-32B" in call
 
 
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ({"RAY_AUTH_TOKEN_PATH": ""}, "the cluster's dashboard wants its Ray token and RAY_AUTH_TOKEN_PATH is unset"),
+        ({"RAY_AUTH_TOKEN_PATH": "/nonexistent/token"}, "RAY_AUTH_TOKEN_PATH=/nonexistent/token: not a readable file"),
+        ({"RAY_AUTH_MODE": "tokens"}, "RAY_AUTH_MODE=tokens: expected token or disabled"),
+    ],
+)
+def test_job_mode_submits_only_with_the_clusters_token(launch, extra, message):
+    """`ray job submit` without the token would get the dashboard's 401 after uploading the working dir."""
+    proc, calls, _ = launch(script(), **JOB, RAY_DATA_HOME="/shared/verl", **extra)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert calls == []  # nothing submitted
+
+
+def test_job_mode_exports_the_token_mode_and_an_explicit_knob_turns_it_off(launch, tmp_path):
+    (tmp_path / "bin" / "ray").write_text(
+        '#!/usr/bin/env bash\nprintf "ray mode=%s path=%s\\n" "${RAY_AUTH_MODE-unset}" "${RAY_AUTH_TOKEN_PATH-unset}"'
+        ' >> "$FAKE_LOG"\n'
+    )
+    proc, calls, _ = launch(script(), **JOB, RAY_DATA_HOME="/shared/verl", RAY_AUTH_MODE="")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert calls[0] == f"ray mode=token path={tmp_path / 'token'}"  # unset mode: token, exported to the CLI
+    assert (tmp_path / "token").read_text() not in proc.stderr + proc.stdout  # the value is never printed
+    (tmp_path / "calls.log").unlink()
+    proc, calls, _ = launch(script(), **JOB, RAY_DATA_HOME="/shared/verl", RAY_AUTH_MODE="disabled")
+    assert proc.returncode == 0 and "RAY_AUTH_MODE=disabled: submitting without Ray's token" in proc.stderr
+    assert calls[0] == f"ray mode=disabled path={tmp_path / 'token'}"
+
+
+def test_job_mode_hands_the_cli_status_on_and_no_wait_names_the_job(launch, tmp_path):
+    """The CLI's own status reaches the exit-status helper (its fallback); with JOB_NO_WAIT=1 nothing has ended yet:
+    the launch prints the job's id and how to follow it. (tests/test_job_exit.py runs both against a real Ray.)"""
+    (tmp_path / "bin" / "ray").write_text('#!/usr/bin/env bash\nprintf "ray %s\\n" "$*" >> "$FAKE_LOG"\nexit 1\n')
+    proc, calls, _ = launch(script(), **JOB, RAY_DATA_HOME="/shared/verl")
+    submit, exit_call = calls
+    assert " --cli-status 1 " in exit_call and exit_call.split()[3] == submit.split()[6]
+    (tmp_path / "calls.log").unlink()
+    proc, calls, _ = launch(script(), **JOB, RAY_DATA_HOME="/shared/verl", JOB_NO_WAIT="1")
+    (submit,) = calls
+    job_id = submit.split()[6]
+    assert proc.returncode == 1 and " --no-wait " in submit
+    assert f"[gtpo] job {job_id} submitted: ray job logs --address http://head:8265 {job_id} --follow" in proc.stderr
+
+
 def test_allow_home_paths_lifts_the_home_rule_only(launch):
     proc, calls, _ = launch(script(), **JOB, ALLOW_HOME_PATHS="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(calls) == 1
+    assert len(calls) == 2  # ray job submit, then the driver's status
     proc, calls, _ = launch(script(), **JOB, ALLOW_HOME_PATHS="1", MODEL_PATH="Qwen/Qwen2.5-32B")
     assert proc.returncode != 0 and "not an absolute path" in proc.stderr
 
@@ -168,7 +220,7 @@ def test_prefix_copying_is_refused(launch):
 def test_preflight_runs_the_preflight_module(launch, extra):
     proc, calls, _ = launch(script("gtpo", "7b"), PREFLIGHT="1", **extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (call,) = calls
+    call = calls[0]
     module = call.split(" -m ", 1)[1].split()[0]
     assert module == "gtpo.launch.preflight"
     assert "method=gtpo" in call and "trainer.nnodes=1" in call

@@ -322,12 +322,15 @@ def launch_env(tmp_path: Path, bin_dir: Path, log: Path, **extra: str) -> dict[s
 def test_job_submission_carries_plugin_and_secrets_in_runtime_env(tmp_path):
     bin_dir, log = fake_tools(tmp_path)
     env = launch_env(tmp_path, bin_dir, log, RAY_ADDRESS="http://head:8265", RAY_DATA_HOME="/shared/verl")
+    (tmp_path / "token").write_text("t" * 64)
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(tmp_path / "token"))
     env["ENV_PASSTHROUGH"] = "WANDB_API_KEY NCCL_SOCKET_IFNAME"  # named explicitly (not copied by default)
     proc = subprocess.run(
         ["bash", str(script_path("gtpo", "32b")), "trainer.total_epochs=2"], env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
-    (call,) = log.read_text().splitlines()
+    call, exit_call = log.read_text().splitlines()  # then the driver's own status (tests/test_launch_infra.py)
+    assert exit_call.startswith("python -m gtpo.launch.job_exit ")
     words = call.split()
     assert words[:5] == ["ray", "job", "submit", "--address", "http://head:8265"]
     assert words[words.index("--working-dir") + 1] == str(REPO)
@@ -348,6 +351,63 @@ def test_job_submission_carries_plugin_and_secrets_in_runtime_env(tmp_path):
     assert "wandb-secret-123" not in call and "wandb-secret-123" not in proc.stderr
     path = Path(words[words.index("--runtime-env") + 1])
     assert not path.exists()
+
+
+def test_the_trace_is_off_unless_asked_for_and_never_shows_a_secret(tmp_path):
+    """The launchers' `set -x` trace stops once scripts/common.sh is sourced (it used to bury the messages that
+    matter); GTPO_TRACE=1 keeps it, and a job submission traced in full shows no secret: keys stay in the
+    environment, Ray's token is a file."""
+    bin_dir, log = fake_tools(tmp_path)
+    (tmp_path / "token").write_text("ray-token-456")
+    env = launch_env(tmp_path, bin_dir, log, RAY_ADDRESS="http://head:8265", RAY_DATA_HOME="/shared/verl")
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(tmp_path / "token"), HF_TOKEN="hf-secret-789")
+    cmd = ["bash", str(script_path("gtpo", "32b")), "trainer.total_epochs=2"]
+    quiet = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    traced = subprocess.run(cmd, env={**env, "GTPO_TRACE": "1"}, capture_output=True, text=True)
+    assert quiet.returncode == 0 and traced.returncode == 0, quiet.stderr[-2000:] + traced.stderr[-2000:]
+    trace = [line for line in quiet.stderr.splitlines() if line.startswith("+")]
+    assert trace[-1] == f"+ source {REPO}/scripts/common.sh", trace[-3:]  # the launcher's lines before it only
+    assert "+ ray job submit --address http://head:8265" in traced.stderr and "gtpo_launch" in traced.stderr
+    assert len(traced.stderr.splitlines()) > 3 * len(quiet.stderr.splitlines())
+    for secret in ("wandb-secret-123", "ray-token-456", "hf-secret-789"):
+        assert secret not in traced.stdout + traced.stderr + log.read_text()
+
+
+@pytest.mark.parametrize(
+    "python3_has_the_recipe,venv,ran",
+    [
+        (False, True, "venv"),  # a fresh shell after scripts/setup_env.sh: no `hydra` for python3
+        (True, True, "python3"),  # inside the image, this checkout (with a login node's .venv) mounted
+        (False, False, "python3"),  # no .venv: as before
+    ],
+)
+def test_the_default_python_is_the_checkouts_venv_where_python3_lacks_the_recipe(
+    tmp_path, python3_has_the_recipe, venv, ran
+):
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    for name in ("common.sh", "run_gtpo_qwen2.5_7b.sh"):
+        shutil.copy(REPO / "scripts" / name, root / "scripts" / name)
+    shutil.copytree(REPO / "configs", root / "configs")
+    bin_dir, log = fake_tools(tmp_path)
+    # answers common.sh's `python3 -c <find_spec of hydra and verl>` with FAKE_FIND_SPEC, records anything else
+    fake = '#!/usr/bin/env bash\n[[ "$1" == -c ]] && exit "$FAKE_FIND_SPEC"\necho "{} $*" >> "$FAKE_LOG"\n'
+    pythons = {"python3": bin_dir / "python3", "venv": root / ".venv" / "bin" / "python"}
+    for name, path in pythons.items():
+        if name == "venv" and not venv:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(fake.format(name))
+        path.chmod(0o755)
+    env = launch_env(tmp_path, bin_dir, log, FAKE_FIND_SPEC="0" if python3_has_the_recipe else "1")
+    del env["PYTHON"]
+    env["PATH"] = f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin"
+    proc = subprocess.run(
+        ["bash", str(root / "scripts" / "run_gtpo_qwen2.5_7b.sh")], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (call,) = log.read_text().splitlines()
+    assert call.startswith(f"{ran} -m recipe.gtpo.main_gtpo "), call
 
 
 @pytest.mark.parametrize(
@@ -439,10 +499,19 @@ def test_dry_run_rejects_the_overlong_trap(tmp_path):
 
 
 def test_eval_checkpoint_dry_run(tmp_path):
-    """scripts/eval_checkpoint.sh runs the launcher's validation only, on the checkpoint, dumping the generations."""
-    ckpt = tmp_path / "ckpts" / "global_step_30"
-    proc = _dry_run(tmp_path, str(REPO / "scripts" / "eval_checkpoint.sh"), str(script_path("gtpo", "7b")), str(ckpt))
+    """scripts/eval_checkpoint.sh runs the launcher's validation only, on the checkpoint, dumping the generations; its
+    dry run checks that the checkpoint is there (before Python starts) and complete (the launcher's dry run)."""
+    from tests.test_dry_run import complete_checkpoint
+
+    evaluate = (str(REPO / "scripts" / "eval_checkpoint.sh"), str(script_path("gtpo", "7b")))
+    missing = tmp_path / "ckpts" / "global_step_31"
+    proc = _dry_run(tmp_path, *evaluate, str(missing))
+    assert proc.returncode == 2 and f"checkpoint={missing}: no such folder" in proc.stderr, proc.stderr[-2000:]
+    assert "[dry run]" not in proc.stdout
+    ckpt = complete_checkpoint(tmp_path / "ckpts" / "global_step_30", 30)
+    proc = _dry_run(tmp_path, *evaluate, str(ckpt))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert f"[dry run] resume: trainer.resume_from_path={ckpt}, a complete checkpoint" in proc.stdout
     trainer = resolved_config(proc.stdout)["trainer"]
     assert trainer["val_only"] is True and trainer["val_before_train"] is True
     assert trainer["resume_mode"] == "resume_path" and trainer["resume_from_path"] == str(ckpt)
@@ -452,6 +521,35 @@ def test_eval_checkpoint_dry_run(tmp_path):
     assert "-m gtpo.eval" not in proc.stderr  # a dry run evaluates nothing
     bad = _dry_run(tmp_path, str(REPO / "scripts" / "eval_checkpoint.sh"), str(script_path("gtpo", "7b")), "ckpts/last")
     assert bad.returncode == 2 and "expected verl's checkpoint folder" in bad.stderr
+
+
+def test_launchers_and_the_evaluation_run_under_umask_077(tmp_path):
+    """Checkpoints (torch.load runs code in them), logs, dumps and tables are private: scripts/common.sh sets umask
+    077 for every launcher, scripts/eval_checkpoint.sh for what it runs itself (the tests' own umask is 022)."""
+    bin_dir, log = fake_tools(tmp_path)
+    umasks = tmp_path / "umasks.log"
+    fake = bin_dir / "umaskpython"  # records the umask it was started under, then its arguments
+    fake.write_text('#!/usr/bin/env bash\necho "$(umask) $*" >> "$UMASK_LOG"\n')
+    fake.chmod(0o755)
+    env = launch_env(tmp_path, bin_dir, log, PYTHON=str(fake), UMASK_LOG=str(umasks))
+    launcher = str(script_path("gtpo", "7b"))
+    dry = subprocess.run(["bash", launcher], env={**env, "DRY_RUN": "1"}, capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    checkpoint = str(tmp_path / "ckpts" / "global_step_30")
+    evaluation = subprocess.run(
+        ["bash", str(REPO / "scripts" / "eval_checkpoint.sh"), launcher, checkpoint],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert evaluation.returncode == 0, evaluation.stderr[-3000:]
+    calls = umasks.read_text().splitlines()
+    assert [call.split()[:3] for call in calls] == [
+        ["0077", "-m", "recipe.gtpo.main_gtpo"],  # the dry run
+        ["0077", "-m", "recipe.gtpo.main_gtpo"],  # the evaluation's validation run, through the launcher
+        ["0077", "-m", "gtpo.eval"],  # the evaluation's regrading, from eval_checkpoint.sh itself
+    ]
+    assert f"trainer.resume_from_path={checkpoint}" in calls[1]
 
 
 def _resolved_configs(stdout: str) -> list[dict]:
@@ -484,7 +582,7 @@ def test_smoke_launcher_dry_run(tmp_path, method, gpus):
         assert actor["strategy"] == "fsdp2" and actor["fsdp_config"]["use_torch_compile"] is False
         assert cfg["actor_rollout_ref"]["model"]["path"].endswith("/models/Qwen2.5-0.5B-Instruct")
         assert rollout["val_kwargs"]["n"] == 2 and data["val_max_samples"] == 64 and trainer["test_freq"] == 2
-        assert trainer["save_freq"] == 2 and trainer["logger"] == ["console"]
+        assert trainer["save_freq"] == 2 and trainer["logger"] == ["console", "file"]
         assert trainer["experiment_name"] == f"smoke-{method}-qwen2.5-0.5b"
     ckpts = first["trainer"]["default_local_dir"]
     assert ckpts.endswith(f"/ckpts/gtpo-smoke/smoke-{method}-qwen2.5-0.5b")
@@ -505,7 +603,18 @@ def test_smoke_launcher_dry_run(tmp_path, method, gpus):
             ["method=grpo"],
             "method=grpo on the command line of scripts/run_gtpo_qwen2.5_7b.sh, a launcher for method=gtpo",
         ),
+        # the launcher that has it, not a pattern to fill in
+        (["method=grpo"], "run names are those of method=gtpo; use scripts/run_grpo_qwen2.5_7b.sh\n"),
         (["model=qwen2.5_32b"], "model=qwen2.5_32b on the command line of scripts/run_gtpo_qwen2.5_7b.sh"),
+        (["model=qwen2.5_32b"], "run names are those of model=qwen2.5_7b; use scripts/run_gtpo_qwen2.5_32b.sh\n"),
+        (["model=qwen2.5_0.5b"], "; use scripts/run_smoke_qwen2.5_0.5b.sh\n"),
+        # a preset that does not exist: the valid names, not "use the launcher of method=gtpoo"
+        (
+            ["method=gtpoo"],
+            "method=gtpoo: no such preset (configs/method/gtpoo.yaml); valid: dapo, dapo_forking, grpo, grpo_s, gtpo, "
+            "gtpo_traj\n",
+        ),
+        (["model=qwen2.5-7b"], "model=qwen2.5-7b: no such preset (configs/model/qwen2.5-7b.yaml); valid: qwen2.5_0.5b"),
     ],
 )
 def test_launcher_mistakes_are_refused_before_python_starts(tmp_path, args, message):
@@ -518,6 +627,8 @@ def test_launcher_mistakes_are_refused_before_python_starts(tmp_path, args, mess
         text=True,
     )
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    # one line besides the launcher's own `set -x` lines before it sources scripts/common.sh
+    assert len([line for line in proc.stderr.splitlines() if not line.startswith("+")]) == 1, proc.stderr[-2000:]
     assert not log.exists() or "python" not in log.read_text()
     # the launcher's own method / model repeated is fine
     ok = subprocess.run(
@@ -531,8 +642,11 @@ def test_launcher_mistakes_are_refused_before_python_starts(tmp_path, args, mess
 
 
 def test_a_mistyped_preset_on_a_launcher_fails_listing_the_valid_ones(tmp_path):
-    """method=gtpoo used to compose without a method preset and validate: GTPO's estimator, none of its preset."""
+    """method=gtpoo used to compose without a method preset and validate: GTPO's estimator, none of its preset. A
+    group the launcher does not check is Hydra's to refuse: one line listing its presets, exit 2, although
+    scripts/common.sh exports HYDRA_FULL_ERROR=1 (Hydra's full report: a traceback and its search path)."""
     proc = _dry_run(tmp_path, str(script_path("dapo", "7b")), "sampling=papr")
-    assert proc.returncode != 0 and "[dry run] OK" not in proc.stdout
-    assert "Could not find 'sampling/papr'" in proc.stderr
-    assert "Available options in 'sampling':\n\tdapo\n\tpaper\n\tr1" in proc.stderr
+    assert proc.returncode == 2 and "[dry run] OK" not in proc.stdout
+    line = "gtpo: invalid configuration: sampling=papr: no preset 'papr' in group sampling; valid: dapo, paper, r1\n"
+    assert line in proc.stderr
+    assert "Traceback" not in proc.stderr and "Config search path" not in proc.stderr

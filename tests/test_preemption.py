@@ -11,6 +11,7 @@ import io
 import os
 import signal
 import subprocess
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -38,6 +39,9 @@ from gtpo.verl_plugin.config import load_knobs
         ({"signals": ["SIGINT"]}, "'SIGINT' is not a signal the driver can handle"),
         ({"deadline": "tomorrow"}, "algorithm.preemption.deadline='tomorrow': expected auto, none, a Unix time"),
         ({"deadline": -5}, "algorithm.preemption.deadline=-5: a Unix time must be > 0"),
+        ({"deadline": "0"}, "algorithm.preemption.deadline='0': a Unix time must be > 0"),
+        ({"step_factor": 0.5}, "algorithm.preemption.step_factor=0.5: must be a number >= 1"),
+        ({"step_factor": "x"}, "algorithm.preemption.step_factor='x': must be a number >= 1"),
         ({"margin_s": -1}, "algorithm.preemption.margin_s=-1: must be a number of seconds >= 0"),
         ({"save_estimate_s": "long"}, "algorithm.preemption.save_estimate_s='long'"),
         ({"deadline_s": 5}, "unknown key(s) algorithm.preemption.deadline_s"),
@@ -66,6 +70,13 @@ def test_deadline_values():
     assert parse_deadline(1_800_000_000) == 1_800_000_000.0
     assert parse_deadline("1800000000") == 1_800_000_000.0
     assert parse_deadline("2027-01-15T08:00:00+00:00") == 1_800_000_000.0
+
+
+@pytest.mark.parametrize("value", [0, 0.0, "0", " 0 ", "-1", "nan", "1970-01-01T00:00:00+00:00"])
+def test_a_zero_deadline_is_refused_not_taken_as_now(value):
+    # a deadline of 0 would stop the run after its first step; `none` is how to turn the deadline off
+    with pytest.raises(ValueError, match="a Unix time must be > 0"):
+        parse_deadline(value)
 
 
 # ------------------------------------------------------------------------------------------ where the end comes from
@@ -100,6 +111,26 @@ def test_auto_reads_squeue_first_then_the_variable():
     assert resolve_deadline(PreemptionParams(), env={}, run=missing) == (None, "none")
 
 
+def test_a_zero_job_end_time_means_no_deadline():
+    def missing(cmd, **kwargs):
+        raise FileNotFoundError(cmd[0])
+
+    for env in ({"SLURM_JOB_END_TIME": "0"}, {"SLURM_JOB_ID": "77", "SLURM_JOB_END_TIME": "0"}):
+        assert resolve_deadline(PreemptionParams(), env=env, run=missing) == (None, "none")
+    assert resolve_deadline(PreemptionParams(), env={"SLURM_JOB_END_TIME": "1700000000"}, run=missing) == (
+        1_700_000_000.0,
+        "SLURM_JOB_END_TIME",
+    )
+
+
+def test_squeue_printing_two_lines_gives_the_first_lines_time():
+    # e.g. a heterogeneous job: one line per component, the first of them the job's own
+    run, _ = _squeue("2027-01-15T08:00:00\n2027-01-16T09:30:00\n")
+    end, source = resolve_deadline(PreemptionParams(), env={"SLURM_JOB_ID": "77"}, run=run)
+    assert end == pytest.approx(__import__("datetime").datetime(2027, 1, 15, 8).timestamp())
+    assert source == "squeue -j 77 -o %e"
+
+
 def test_a_knob_deadline_wins_and_none_turns_it_off():
     run, calls = _squeue("2027-01-15T08:00:00\n")
     env = {"SLURM_JOB_ID": "77"}
@@ -115,7 +146,7 @@ def test_a_knob_deadline_wins_and_none_turns_it_off():
 
 
 def test_stop_policy_by_hand():
-    policy = StopPolicy(margin_s=60.0, save_estimate_s=300.0)
+    policy = StopPolicy(margin_s=60.0, save_estimate_s=300.0, step_factor=1.0)
     policy.step_started(1000.0)
     policy.step_ended(1010.0)  # a 10 s step
     # before any save: 10 + 300 (estimate) + 60 = 370 s needed
@@ -124,12 +155,69 @@ def test_stop_policy_by_hand():
     reason = policy.out_of_time(1010.0, deadline=1010.0 + 369.0)
     assert reason.startswith("369 s left before the job's end") and "save_estimate_s" in reason
     policy.saved(30.0)  # a timed save replaces the estimate
-    policy.step_ended(1035.0)  # a 25 s period (step, save, validation, logging) since the last step's end
+    policy.step_ended(1065.0)  # 55 s since the last step's end, less the save: a 25 s step (validation, logging in)
     assert policy.needed_s() == 25.0 + 30.0 + 60.0
-    policy.step_ended(1040.0)  # a shorter one does not lower it
+    policy.step_ended(1070.0)  # a shorter one does not lower it
     policy.saved(10.0)
     assert policy.needed_s() == 115.0
-    assert policy.out_of_time(1040.0, deadline=None) is None
+    assert policy.out_of_time(1070.0, deadline=None) is None
+
+
+def _clocked_stop(now: list[float]) -> TrainerStop:
+    """A stop without a deadline or requests, on the fake clock ``now[0]``."""
+    return TrainerStop(
+        PreemptionParams(deadline="none"),
+        job_id="job",
+        clock=lambda: now[0],
+        requests=lambda: None,
+        announce=lambda message: None,
+    )
+
+
+def test_the_time_between_steps_counts_as_step_time(tmp_path):
+    policy = StopPolicy(margin_s=0.0, save_estimate_s=0.0, step_factor=1.0)
+    policy.step_ended(10.0)
+    policy.step_started(30.0)  # 20 s of validation and logging after the step that ended at 10
+    policy.step_ended(40.0)
+    assert policy.longest_step_s == 30.0
+    # the same through the hooks: 10 s steps, 20 s validations
+    now = [0.0]
+    stop = _clocked_stop(now)
+    trainer = StandInTrainer(stop, 3, tmp_path)
+
+    def advance(seconds):
+        def callback(step):
+            now[0] += seconds
+
+        return callback
+
+    trainer.fit(on_step=advance(10.0), on_validate=advance(20.0))
+    assert stop.policy.longest_step_s == 30.0
+
+
+def test_a_periodic_save_counts_once_as_the_save_not_in_the_step():
+    policy = StopPolicy(margin_s=60.0, save_estimate_s=300.0, step_factor=1.5)
+    policy.step_started(0.0)
+    policy.step_ended(40.0)
+    policy.saved(100.0)  # the next step's periodic save
+    policy.step_ended(40.0 + 40.0 + 100.0)
+    assert policy.longest_step_s == 40.0 and policy.longest_save_s == 100.0
+    assert policy.needed_s() == 1.5 * 40.0 + 100.0 + 60.0
+
+
+def test_step_factor_pads_the_longest_step():
+    # dynamic sampling can make the next step several times the longest seen: it is padded by step_factor
+    policy = StopPolicy(margin_s=60.0, save_estimate_s=300.0, step_factor=1.5)
+    policy.step_started(0.0)
+    policy.step_ended(100.0)
+    assert policy.needed_s() == 150.0 + 300.0 + 60.0
+    assert policy.out_of_time(100.0, deadline=100.0 + 510.0) is None
+    reason = policy.out_of_time(100.0, deadline=100.0 + 509.0)
+    assert reason == (
+        "509 s left before the job's end, less than a step (100 s × step_factor 1.5) + a save (300 s, "
+        "save_estimate_s) + margin_s (60 s) = 510 s"
+    )
+    assert TrainerStop(PreemptionParams(), job_id="job").policy.step_factor == 1.5
 
 
 # ----------------------------------------------------------------------- the hooks, in verl 0.9.1's order (fit())
@@ -237,6 +325,13 @@ def test_a_request_during_the_last_step_lets_the_run_end_normally(tmp_path):
     assert err is None and trainer.saves == [] and trainer.logged == [1, 2, 3] and trainer.announced == []
 
 
+def test_a_stop_after_an_earlier_periodic_save_saves_its_own_step(tmp_path):
+    # step 2's periodic save is not step 3's: the stop saves step 3 itself
+    trainer, err = _run(tmp_path, save_freq=2, step=3)
+    assert err.step == 3 and trainer.saves == [2, 3]
+    assert trainer.announced == [f"step 3 in {tmp_path / 'global_step_3'}"]
+
+
 def test_no_request_no_stop(tmp_path):
     trainer, err = _run(tmp_path, total=4, save_freq=2)
     assert err is None and trainer.saves == [2, 4] and trainer.validations == [1, 2, 3, 4]
@@ -261,11 +356,38 @@ def test_the_deadline_stops_the_run_when_a_step_and_a_save_no_longer_fit(tmp_pat
     stop.after_step = ten_second_steps
     with pytest.raises(PreemptedError) as err:
         trainer.fit()
-    # step k ends at 10k; it stops at the first k with 1000 - 10k < 10 + 100 + 50: k = 85
-    assert err.value.step == 85 and trainer.saves == [85]
-    assert "150 s left before the job's end, less than a step (10 s) + a save (100 s, save_estimate_s)" in (
-        capsys.readouterr().out
+    # step k ends at 10k; it stops at the first k with 1000 - 10k < 1.5 x 10 + 100 + 50: k = 84
+    assert err.value.step == 84 and trainer.saves == [84]
+    assert (
+        "160 s left before the job's end, less than a step (10 s × step_factor 1.5) + a save (100 s, save_estimate_s)"
+        in capsys.readouterr().out
     )
+
+
+def test_the_default_clock_is_the_wall_clock(tmp_path):
+    # the deadline is a Unix time: the trainer's clock must be time.time (not time.monotonic) for it to stop
+    stop = TrainerStop(
+        PreemptionParams(deadline=time.time() + 100.0, margin_s=60.0, save_estimate_s=300.0),
+        job_id="job",
+        requests=lambda: None,
+        announce=lambda message: None,
+    )
+    trainer = StandInTrainer(stop, 5, tmp_path)
+    with pytest.raises(PreemptedError) as err:
+        trainer.fit()
+    assert err.value.step == 1 and trainer.saves == [1]
+
+
+def test_a_save_is_timed_in_seconds_on_the_trainers_clock(tmp_path, capsys):
+    now = [1000.0]
+    stop = _clocked_stop(now)
+    trainer = StandInTrainer(stop, 3, tmp_path)
+    trainer.global_steps = 2
+    stop.reason = "a test"  # a stop's save logs its duration
+    with stop.timed_save(trainer):
+        now[0] += 30.0
+    assert stop.policy.longest_save_s == 30.0 and stop.saved_step == 2
+    assert "checkpoint of step 2 saved in 30.0 s" in capsys.readouterr().out
 
 
 # -------------------------------------------------------------------------------------------------- the driver

@@ -103,7 +103,13 @@ class FakeCluster:
         return reports
 
 
-GOOD_ENV = {"WANDB_MODE": "offline", "GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}
+# The model presets log to verl's file logger too: the launchers put its folder under CKPTS_DIR.
+GOOD_ENV = {
+    "WANDB_MODE": "offline",
+    "GLOO_SOCKET_IFNAME": "ib0",
+    "NCCL_SOCKET_IFNAME": "ib0",
+    "VERL_FILE_LOGGER_ROOT": "/shared/verl/ckpts/logs",
+}
 
 
 @pytest.fixture
@@ -238,7 +244,7 @@ def test_wandb_without_key_or_offline_mode_fails(compose, layout):
 def test_relative_log_folders_are_warned_about(compose, layout):
     """file / tensorboard writing where verl's TaskRunner happens to start: a warn line, not a failure."""
     cfg = compose(layout, "trainer.logger=[console,file,tensorboard]")
-    rc, lines = run(cfg, FakeCluster())
+    rc, lines = run(cfg, FakeCluster(), env={k: v for k, v in GOOD_ENV.items() if k != "VERL_FILE_LOGGER_ROOT"})
     assert rc == 0, "\n".join(lines)
     warns = [line for line in lines if " warn " in line]
     assert len(warns) == 2 and all(w.startswith("[preflight] warn trackers: trainer.logger has ") for w in warns)
@@ -271,6 +277,56 @@ def test_unwritable_checkpoint_dir_fails(compose, layout, tmp_path):
     blocker.write_text("x")
     rc, lines = run(compose(layout, f"trainer.default_local_dir={blocker}/ckpts"), FakeCluster())
     assert rc == 1 and f"trainer.default_local_dir={blocker}/ckpts" in _fail_line(lines, "checkpoint dir")
+
+
+NOBODY = 65534  # another user's uid (the tests run as root, which may chown)
+
+
+def _plant(folder: Path, mode: int, uid: int | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    if uid is not None:
+        os.chown(folder, uid, -1)
+    folder.chmod(mode)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "make,expect",
+    [
+        (lambda t: _plant(t / "theirs", 0o700, NOBODY), f"owned by uid {NOBODY}, not by this user"),
+        (lambda t: _plant(t / "group", 0o770), "mode 0770 lets group or others write into it"),
+        (lambda t: _plant(t / "others", 0o757), "mode 0757 lets group or others write into it"),
+        (lambda t: (t / "link").symlink_to(_plant(t / "real", 0o700)) or t / "link", "a symbolic link (to "),
+    ],
+    ids=["another-owner", "group-writable", "others-writable", "symlink"],
+)
+def test_checkpoint_dir_others_could_plant_files_in_fails(compose, layout, tmp_path, make, expect):
+    """verl loads checkpoints with torch.load(weights_only=False): a folder others can write into, or someone else's,
+    is refused; the line names the folder and what is wrong with it."""
+    ckpts = make(tmp_path / "shared")
+    existed = os.path.lexists(ckpts)
+    rc, lines = run(compose(layout, f"trainer.default_local_dir={ckpts}"), FakeCluster())
+    line = _fail_line(lines, "checkpoint dir")
+    assert rc == 1 and f"trainer.default_local_dir={ckpts}: " in line and expect.format(t=tmp_path / "shared") in line
+    assert os.path.lexists(ckpts) == existed and not list(ckpts.glob(".preflight-*"))  # nothing made there
+
+
+@pytest.mark.parametrize("shared_mode", [0o1777, 0o2770, 0o777], ids=["sticky", "project-group", "open"])
+def test_checkpoint_dir_under_a_shared_folder_is_made_private(compose, layout, tmp_path, shared_mode):
+    """A missing folder under a shared one (a sticky scratch, a group project folder) is created private: made
+    under the launchers' umask 077 it is 0700, and the line says so. (A folder swapped in by someone else later is
+    theirs, which the check refuses.)"""
+    sticky = _plant(tmp_path / "scratch", shared_mode)
+    ckpts = sticky / "me" / "run"
+    old = os.umask(0o077)  # process-wide: restored below
+    try:
+        rc, lines = run(compose(layout, f"trainer.default_local_dir={ckpts}"), FakeCluster())
+    finally:
+        os.umask(old)
+    assert rc == 0, "\n".join(lines)
+    mode = "2700" if shared_mode & 0o2000 else "0700"  # a setgid parent passes its setgid bit on (no write)
+    assert f"[preflight] ok   checkpoint dir: {ckpts} writable, private (uid 0, mode {mode})" in lines
+    assert (ckpts.stat().st_mode & 0o777, (sticky / "me").stat().st_mode & 0o777) == (0o700, 0o700)
 
 
 @pytest.mark.parametrize(
@@ -375,6 +431,57 @@ def test_separate_async_rollout_nodes_need_their_gpus(compose, layout, cupy_impo
     # a 4-GPU pool node is right when the pool asks for 4 GPUs per node (TP 1 replicas tile them)
     rc, lines = run(compose(layout, *SEPARATE, "actor_rollout_ref.rollout.n_gpus_per_node=4"), cluster)
     assert rc == 0, "\n".join(lines)
+
+
+# One node's trainer of 4 GPUs and a one-node pool (its GPUs per node set by each test).
+SPLIT = ["trainer=separate_async", "trainer.nnodes=1", "trainer.n_gpus_per_node=4",
+         "actor_rollout_ref.rollout.nnodes=1"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "pool,cluster,overrides",
+    [
+        ("4", dict(n=1), []),  # verl's fully-async examples: one 8-GPU node, trainer 4 + pool 4
+        ("4", dict(n=2), ["trainer.nnodes=2", "actor_rollout_ref.rollout.nnodes=2"]),  # 2 x (4 + 4)
+    ],
+    ids=["one-node", "two-nodes"],
+)
+def test_separate_async_pools_may_share_nodes_where_both_fit(compose, layout, cupy_importable, pool, cluster,
+                                                               overrides):  # fmt: skip
+    cfg = compose(layout, *SPLIT, f"actor_rollout_ref.rollout.n_gpus_per_node={pool}", *overrides)
+    rc, lines = run(cfg, FakeCluster(**cluster))
+    assert rc == 0, "\n".join(lines)
+    (line,) = [line for line in lines if " ray cluster: " in line]
+    nodes = cluster["n"]
+    assert f"rollout pool {nodes} x 4 sharing {nodes} GPU node(s) of {[8] * nodes} GPU(s)" in line, line
+
+
+@pytest.mark.parametrize(
+    "pool,cluster,expect",
+    [
+        ("8", dict(n=1), "trainer 1 x 4 GPU(s) + rollout pool 1 x 8 GPU(s)"),  # 12 GPUs on one 8-GPU node
+        ("4", dict(n=1, gpus=6), "on nodes of [6] GPU(s)"),  # 4 + 4 on a 6-GPU node
+    ],
+)
+def test_separate_async_pools_that_do_not_fit_a_shared_node_fail(compose, layout, cupy_importable, pool, cluster,
+                                                                   expect):  # fmt: skip
+    cfg = compose(layout, *SPLIT, f"actor_rollout_ref.rollout.n_gpus_per_node={pool}")
+    rc, lines = run(cfg, FakeCluster(**cluster))
+    assert rc == 1 and lines[-1].startswith("[preflight] FAIL ray cluster: 1 GPU node(s) ['gpu-a01'] != ")
+    assert "nor do they hold both pools side by side" in lines[-1] and expect in lines[-1], lines[-1]
+
+
+def test_a_shared_node_splits_its_gpus_not_a_pools_node(compose, layout, cupy_importable):
+    """Two 8-GPU nodes cannot hold a trainer of 1 x 4 beside a pool of 2 x 6 (each pool node's GPUs on one node:
+    6 + 4 > 8), though 16 GPUs >= 16; three 2-GPU blocks fit one 8-GPU node."""
+    cfg = compose(
+        layout, *SPLIT[:3], "actor_rollout_ref.rollout.nnodes=2", "actor_rollout_ref.rollout.n_gpus_per_node=6"
+    )
+    rc, lines = run(cfg, FakeCluster(n=2))
+    assert rc == 1 and "nor do they hold both pools side by side" in lines[-1]
+    from gtpo.launch.preflight_cluster import _packs
+
+    assert _packs([2, 2, 2], [8]) and not _packs([6, 6, 4], [8, 8]) and _packs([4, 4, 4, 4], [8, 8])
 
 
 def test_nccl_engine_without_cupy_fails_the_config_check(compose, layout, monkeypatch):

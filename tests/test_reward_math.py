@@ -437,6 +437,39 @@ def test_math500_reference_solutions_are_correct_in_both_modes(shared_data):
         assert wrong == [], (mode, len(wrong), wrong[:3])
 
 
+# ---------------------------------------------------------------------------------------- environment
+
+SECRETS = {"WANDB_API_KEY": "wandb-secret", "HF_TOKEN": "hf-secret", "MY_SECRET": "mine", "db_password": "pw",
+           "RAY_AUTH_TOKEN_PATH": "/run/ray/token", "GOOGLE_APPLICATION_CREDENTIALS": "/k.json"}  # fmt: skip
+
+
+def _environ(pid: int) -> dict[str, str]:
+    """The environment ``pid`` was started with (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        items = [item.decode().partition("=") for item in f.read().split(b"\0") if item]
+    return {name: value for name, _, value in items}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="reads /proc/<pid>/environ")
+def test_grading_workers_start_without_the_parents_secrets(monkeypatch):
+    """A worker grades text the policy wrote: it gets no credential of the parent's (W&B, Hugging Face, Ray's token
+    path, anything named like a key, token, secret or password), keeps the rest, and the parent keeps them all."""
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("GTPO_KEEP_ME", "kept")
+    before = dict(os.environ)
+    pool = GraderPool(max_workers=1)
+    try:
+        assert pool.grade("5", "5", timeout_s=30) == (True, "ok")
+        env = _environ(pool.worker_pids()[0])
+    finally:
+        pool.shutdown()
+    assert sorted(set(SECRETS) & set(env)) == [] and not any(v in env.values() for v in SECRETS.values())
+    assert env["PATH"] == os.environ["PATH"] and env["GTPO_KEEP_ME"] == "kept" and env["OMP_NUM_THREADS"] == "1"
+    assert env["GTPO_GRADER_PARENT"] == str(os.getpid())
+    assert dict(os.environ) == before
+
+
 # ---------------------------------------------------------------------------------------- memory ceiling
 
 # A 130,000-term sum: the worker's resident memory climbs past 250 MB while it is parsed (measured: lenient

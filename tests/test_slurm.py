@@ -1,32 +1,44 @@
-"""scripts/slurm/ray_on_slurm.sbatch with fake srun, ray, scontrol, hostname, ip, nvidia-smi, apptainer and enroot.
+"""scripts/slurm/ray_on_slurm.sbatch with fake srun, ray, scontrol, squeue, scancel, hostname, ip, nvidia-smi,
+apptainer and enroot.
 
     .venv/bin/pytest -q tests/test_slurm.py
 
 The fakes record their arguments (one tab-separated line each, in call order) and behave just enough like the real
-tools: `srun` records the SLURM_GPUS_PER_NODE it inherited, strips its options and runs the command (once per node
-for a multi-node step without --nodelist, with SLURMD_NODENAME set) and emulates pyxis (a --container-image step
-creates the named container on its node through `enroot create` unless it exists; a --container-name step without
-an image fails unless it exists),
-`ray start --block` blocks until killed, `ray status` lists as many active nodes as `ray start` calls were seen
-(capped by FAKE_MAX_NODES), `scontrol show hostnames` prints FAKE_NODES, `nvidia-smi` prints FAKE_DRIVER (or
-FAKE_DRIVER_<node> for one node), `hostname --ip-address` prints FAKE_HOST_IPS ("{k}" = the node's number) or
-"fe80::1 10.1.2.<k> 192.168.0.<k>" for the k-th node, and `ip -4 -o addr show` knows lo, ib0 (10.1.2.<k>) and
-eth0 (192.168.0.<k>). A fake launch script records the driver's environment and arguments.
+tools: `srun` records the SLURM_GPUS_PER_NODE, RAY_AUTH_MODE and RAY_AUTH_TOKEN_PATH it inherited, strips its options
+and runs the command (once per node for a multi-node step without --nodelist, with SLURMD_NODENAME set) and emulates
+pyxis (a --container-image step creates the named container on its node through `enroot create` unless it exists; a
+--container-name step without an image fails unless it exists), `ray start --block` blocks until killed,
+`ray status` lists as many active nodes as `ray start` calls were seen (capped by FAKE_MAX_NODES), `scontrol show
+hostnames` prints FAKE_NODES, `nvidia-smi` prints FAKE_DRIVER (or FAKE_DRIVER_<node> for one node), `hostname
+--ip-address` prints FAKE_HOST_IPS ("{k}" = the node's number) or "fe80::1 10.1.2.<k> 192.168.0.<k>" for the k-th
+node, and `ip -4 -o addr show` knows lo, ib0 (10.1.2.<k>) and eth0 (192.168.0.<k>); FAKE_LOCAL_ONLY names a folder
+only the first node has (srun points other nodes' paths under it elsewhere). A fake launch script records the
+driver's environment and arguments.
 
 Asserted: the head starts first and every worker joins before the driver runs on the head; every Ray step gets the
 CPUs Ray is told it has, helper and driver steps get no GPUs; each node's address comes from its interface (loopback
 and old drivers are refused before any Ray step); pyxis creates one named container per node and the status poll
 never creates one; Apptainer and pyxis wrap every step and mount the shared data folder; the preflight runs before
-training; a cluster that never fills up fails at the timeout without starting the driver. The time-limit warning,
-the requeue and the resume run under a real Slurm (tests/test_slurm_preemption.py).
+training; a cluster that never fills up fails at the timeout without starting the driver. Ray's token: a private
+per-job file whose path (never its value) reaches every step, out of the output and the set -x trace, removed at exit
+and on TERM; RAY_AUTH_MODE=disabled on request, any other value refused; a node that cannot read the token fails
+before Ray starts. The time-limit warning survives a squeue that fails (the stop still reaches the driver's step, the
+job requeues) and a requeue Slurm refuses (logged, exit 85); separate_async's pool shares the nodes where both pools
+fit. The time-limit warning, the requeue, the resume and the token against real Ray clients run under a real Slurm
+(tests/test_slurm_preemption.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shlex
+import signal
+import stat
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -48,7 +60,8 @@ node_index() {
 
 FAKES = {
     "srun": r"""
-        printf 'srun\t%s\t%s\n' "${SLURM_GPUS_PER_NODE-unset}" "$(printf '%q ' "$@")" >> "$FAKE_LOG"
+        printf 'srun\t%s\t%s\t%s\t%s\n' "${SLURM_GPUS_PER_NODE-unset}" "${RAY_AUTH_MODE-unset}" \
+            "${RAY_AUTH_TOKEN_PATH-unset}" "$(printf '%q ' "$@")" >> "$FAKE_LOG"
         node="" nodes=1 image="" name=""
         while [[ $# -gt 0 && "$1" == --* ]]; do
             case "$1" in
@@ -69,19 +82,28 @@ FAKES = {
             FAKE_NODE=$1 enroot create --name "${name:-pyxis_tmp}" "$image"
             if [[ -n "$name" ]]; then mkdir -p "$FAKE_STATE/$1" && touch "$state"; fi
         }
+        # FAKE_LOCAL_ONLY=<dir>: a folder only the first node has; on the others a path under it names nothing.
+        on_node() {
+            local n=$1
+            shift
+            if [[ -n "${FAKE_LOCAL_ONLY:-}" && "$n" != "${FAKE_NODES%% *}" ]]; then
+                set -- "${@//"$FAKE_LOCAL_ONLY"/"$FAKE_STATE/$n$FAKE_LOCAL_ONLY"}"
+            fi
+            export FAKE_NODE=$n SLURMD_NODENAME=$n
+            exec "$@"
+        }
         if [[ -z "$node" && "$nodes" -gt 1 ]]; then
             read -ra all <<<"$FAKE_NODES"
             rc=0
             for ((i = 0; i < nodes; i++)); do
                 container "${all[i]}" || exit 1
-                (export FAKE_NODE=${all[i]} SLURMD_NODENAME=${all[i]}; "$@") || rc=1
+                (on_node "${all[i]}" "$@") || rc=1
             done
             exit $rc
         fi
         node=${node:-${FAKE_NODES%% *}}
         container "$node" || exit 1
-        export FAKE_NODE=$node SLURMD_NODENAME=$node
-        exec "$@"
+        on_node "$node" "$@"
     """,
     "ray": r"""
         case "$1" in
@@ -113,7 +135,32 @@ FAKES = {
     "scontrol": r"""
         printf 'scontrol\t%s\n' "$(printf '%q ' "$@")" >> "$FAKE_LOG"
         [[ "$1 $2" == "show hostnames" ]] && tr ' ' '\n' <<<"$FAKE_NODES"
+        if [[ "$1" == requeue ]]; then
+            if [[ -n "${FAKE_REQUEUE_RC:-}" ]]; then
+                echo "scontrol: error: Requeue of JobId=$2 not allowed" >&2
+                exit "$FAKE_REQUEUE_RC"
+            fi
+            # Slurm ends the requeued job's batch script (and the sleep it waits in) itself.
+            (sleep 0.5; kill -TERM "$PPID"; pkill -TERM -P "$PPID" -x sleep) >/dev/null 2>&1 &
+        fi
         true
+    """,
+    # `squeue -s` lists the job's steps, the driver's as 4242.7; its first FAKE_SQUEUE_FAILS calls fail (a slow
+    # controller). Any other squeue prints nothing.
+    "squeue": r"""
+        printf 'squeue\t%s\n' "$(printf '%q ' "$@")" >> "$FAKE_LOG"
+        [[ " $* " == *" -s "* ]] || exit 0
+        echo x >> "$FAKE_LOG.squeue"
+        if (( $(wc -l < "$FAKE_LOG.squeue") <= ${FAKE_SQUEUE_FAILS:-0} )); then
+            echo "squeue: error: Socket timed out on send/recv operation" >&2
+            exit 1
+        fi
+        printf '4242.0 ray\n4242.7 gtpo-driver\n'
+    """,
+    # The signal reaches the (held) training driver, which then saves and exits FAKE_LAUNCH_RC.
+    "scancel": r"""
+        printf 'scancel\t%s\n' "$(printf '%q ' "$@")" >> "$FAKE_LOG"
+        [[ -z "${FAKE_LAUNCH_WAIT:-}" ]] || touch "$FAKE_LAUNCH_WAIT"
     """,
     "hostname": NODE_INDEX
     + r"""
@@ -175,6 +222,9 @@ LAUNCH_ENV = (
     "TORCH_NCCL_AVOID_RECORD_STREAMS",
     "RAY_DATA_HOME",
     "CUDA_VISIBLE_DEVICES",
+    "RAY_AUTH_MODE",
+    "RAY_AUTH_TOKEN_PATH",
+    "RAY_AUTH_TOKEN",
 )
 LAUNCH = (
     "#!/usr/bin/env bash\n"
@@ -468,6 +518,8 @@ def test_failed_preflight_stops_before_training(tmp_path):
         ({"LAUNCH_SCRIPT": "scripts/no_such_script.sh"}, "not found"),
         ({"RAY_DATA_HOME": ""}, "RAY_DATA_HOME is unset and so is TRAIN_FILE"),
         ({"RAY_DATA_HOME": "shared/verl"}, "must be an absolute path"),
+        ({"RAY_AUTH_MODE": "bogus"}, "RAY_AUTH_MODE=bogus: expected token (the default) or disabled"),
+        ({"RAY_AUTH_DIR": "shared/auth"}, "RAY_AUTH_DIR=shared/auth: must be an absolute path"),
     ],
 )
 def test_bad_settings_fail_before_any_step(tmp_path, env, message):
@@ -477,9 +529,12 @@ def test_bad_settings_fail_before_any_step(tmp_path, env, message):
 
 
 def test_explicit_paths_replace_ray_data_home(tmp_path):
-    paths = {k: f"/lustre/p/{k.lower()}" for k in ("TRAIN_FILE", "TEST_FILE", "MODEL_PATH", "CKPTS_DIR")}
+    paths = {k: f"{tmp_path}/lustre/p/{k.lower()}" for k in ("TRAIN_FILE", "TEST_FILE", "MODEL_PATH", "CKPTS_DIR")}
     proc, records = run_sbatch(tmp_path, RAY_DATA_HOME="", **paths)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # The token folder goes next to the checkpoints, the one shared folder known then.
+    (_, env, _), _ = launches(records)
+    assert env["RAY_AUTH_TOKEN_PATH"] == f"{tmp_path}/lustre/p/.ray-auth/4242/token"
 
 
 def test_node_probe_is_shellcheck_clean():
@@ -525,4 +580,218 @@ def test_separate_async_rollout_pool_takes_its_nodes_out_of_the_allocation(tmp_p
 def test_rollout_pool_that_does_not_fit_fails_before_any_step(tmp_path, arg, message):
     proc, records = run_sbatch(tmp_path, "trainer=separate_async", arg)
     assert proc.returncode != 0 and message in proc.stderr
+    assert not [r for r in records if r[0] in ("srun", "ray")]
+
+
+def messages(stderr: str) -> list[str]:
+    """The script's own messages (`set -x` trace lines start with '+' and also hold the text of each `fail` call)."""
+    return [line for line in stderr.splitlines() if line.startswith("[ray_on_slurm]")]
+
+
+@contextlib.contextmanager
+def held_sbatch(tmp_path: Path, **env_extra: str):
+    """The script in the background, its training driver held until the yielded file exists (created on the way out
+    whatever happens, and the script then reaped: a held fake driver would otherwise wait forever)."""
+    release = tmp_path / "release"
+    env = sbatch_env(tmp_path, FAKE_LAUNCH_WAIT=str(release), **env_extra)
+    proc = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started = Path(f"{release}.started")
+        deadline = time.monotonic() + 30
+        while not started.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                out, err = proc.communicate()
+                pytest.fail(f"the driver never started (rc {proc.returncode}): {(out + err)[-3000:]}")
+            time.sleep(0.05)
+        yield proc, release
+    finally:
+        release.touch()
+        if proc.poll() is None:
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+
+
+def test_token_is_private_reaches_every_step_and_is_never_printed(tmp_path):
+    auth = tmp_path / "shared" / "verl" / ".ray-auth" / "4242"
+    token_file = auth / "token"
+    with held_sbatch(tmp_path) as (proc, release):
+        # While the job runs: a fresh 32-byte token, the file 0600 in a 0700 folder, both the user's.
+        assert stat.S_IMODE(auth.stat().st_mode) == 0o700 and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        assert auth.stat().st_uid == os.getuid() and token_file.stat().st_uid == os.getuid()
+        token = token_file.read_text()
+        assert re.fullmatch(r"[0-9a-f]{64}", token), token
+        # umask 077 reached the driver: what it writes is the user's alone.
+        assert stat.S_IMODE(Path(f"{release}.started").stat().st_mode) == 0o600
+        assert token not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        release.touch()
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, (out + err)[-3000:]
+    # Gone with the job; the value was never in its output (the set -x trace included) nor on a command line.
+    assert not auth.exists() and auth.parent.is_dir()
+    log = (tmp_path / "calls.log").read_text()
+    assert token not in out + err and token not in log
+    # Every step (probe, Ray nodes, status polls, preflight, driver) gets the mode and the path, never the value.
+    records = read_records(tmp_path)
+    sruns = [r for r in records if r[0] == "srun"]
+    assert len(sruns) >= 1 + len(NODES) + 1 + 2
+    assert {(r[2], r[3]) for r in sruns} == {("token", str(token_file))}
+    for _, env, _ in launches(records):
+        assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN_PATH"] == str(token_file)
+        assert env["RAY_AUTH_TOKEN"] == "<unset>"
+
+
+def test_a_token_value_in_the_environment_is_dropped_unprinted(tmp_path):
+    value = "f00d" * 16
+    proc, records = run_sbatch(tmp_path, RAY_AUTH_TOKEN=value)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert any(m.startswith("[ray_on_slurm] RAY_AUTH_TOKEN is set: unset") for m in messages(proc.stderr))
+    assert value not in proc.stdout + proc.stderr and value not in (tmp_path / "calls.log").read_text()
+    assert [env["RAY_AUTH_TOKEN"] for _, env, _ in launches(records)] == ["<unset>", "<unset>"]
+
+
+def test_auth_disabled_on_request_says_so(tmp_path):
+    proc, records = run_sbatch(tmp_path, RAY_AUTH_MODE="disabled")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warned = [m for m in messages(proc.stderr) if "RAY_AUTH_MODE=disabled" in m]
+    assert len(warned) == 1 and "accepts anyone who can reach" in warned[0]
+    # Set explicitly for every step: `ray start --head` would otherwise turn auth on by itself on a ~/.ray/auth_token.
+    assert {(r[2], r[3]) for r in records if r[0] == "srun"} == {("disabled", "unset")}
+    assert [env["RAY_AUTH_MODE"] for _, env, _ in launches(records)] == ["disabled", "disabled"]
+    assert not (tmp_path / "shared" / "verl" / ".ray-auth").exists()
+
+
+def test_a_node_that_cannot_read_the_token_fails_at_once(tmp_path):
+    """The token folder on storage the other nodes do not have: refused after the probe, before any Ray step."""
+    local = tmp_path / "node-local"
+    proc, records = run_sbatch(tmp_path, RAY_AUTH_DIR=str(local / "auth"), FAKE_LOCAL_ONLY=str(local))
+    assert proc.returncode != 0
+    token_file = local / "auth" / "4242" / "token"
+    assert messages(proc.stderr) == [
+        f"[ray_on_slurm] node {NODES[1]}: cannot read the job's Ray token RAY_AUTH_TOKEN_PATH={token_file} "
+        f"(probe: unreadable); RAY_AUTH_DIR={local / 'auth'} must be on storage every node mounts at the same path"
+    ], proc.stderr[-2000:]
+    assert not ray_starts(records) and not [r for r in records if r[0] == "ray"] and not launches(records)
+    assert not (local / "auth" / "4242").exists()
+
+
+def test_auth_dir_others_may_write_is_refused(tmp_path):
+    auth_dir = tmp_path / "open"
+    auth_dir.mkdir()
+    auth_dir.chmod(0o777)
+    proc, records = run_sbatch(tmp_path, RAY_AUTH_DIR=str(auth_dir))
+    assert proc.returncode != 0
+    assert any(f"RAY_AUTH_DIR={auth_dir}: owned by uid {os.getuid()}, mode 777" in m for m in messages(proc.stderr))
+    assert not [r for r in records if r[0] in ("srun", "ray")] and not list(auth_dir.iterdir())
+
+
+def test_auth_dir_outside_the_data_home_is_mounted_in_the_container(tmp_path):
+    image = tmp_path / "gtpo.sif"
+    image.touch()
+    auth_dir = tmp_path / "auth"
+    proc, records = run_sbatch(
+        tmp_path, CONTAINER_RUNTIME="apptainer", CONTAINER_IMAGE=str(image), RAY_AUTH_DIR=str(auth_dir)
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    wrapped = [argv(r) for r in records if r[0] == "apptainer"]
+    assert wrapped
+    for call in wrapped:
+        assert f"{auth_dir}/4242:{auth_dir}/4242" in call[call.index("--bind") + 1].split(",")
+
+
+def test_a_cancelled_job_removes_its_token(tmp_path):
+    """scancel and the time limit send TERM to the script: the EXIT cleanup still runs."""
+    auth = tmp_path / "shared" / "verl" / ".ray-auth" / "4242"
+    with held_sbatch(tmp_path) as (proc, release):
+        assert (auth / "token").exists()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    # (the fake driver is not one of the steps the cleanup stops: held_sbatch releases it)
+    assert proc.returncode == 143 and not auth.exists()
+
+
+def test_the_job_is_requeueable_by_default():
+    assert "#SBATCH --requeue" in SBATCH.read_text().split("\n#\n", 1)[0].splitlines()  # the #SBATCH block
+
+
+def _time_limit_warning(tmp_path: Path, **env_extra: str) -> tuple[subprocess.Popen, str, str]:
+    """USR1 to the script (what --signal=B:USR1@<s> sends) while its training driver runs; the driver saves on the
+    forwarded signal and exits 85."""
+    env = {"RUN_PREFLIGHT": "0", "FAKE_LAUNCH_RC": "85", "REQUEUE_ON_TIMEOUT": "1", **env_extra}
+    with held_sbatch(tmp_path, **env) as (proc, release):
+        proc.send_signal(signal.SIGUSR1)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a script that died in the handler left its driver held
+            release.touch()
+            out, err = proc.communicate(timeout=60)
+    return proc, out, err
+
+
+def test_a_failing_squeue_in_the_usr1_handler_still_forwards_the_stop_and_requeues(tmp_path):
+    """The controller does not answer the handler's first squeue: under errexit that ended the script, whose EXIT
+    trap stopped the Ray steps 15 minutes early with no save. Now it asks again and goes on."""
+    proc, out, err = _time_limit_warning(tmp_path, FAKE_SQUEUE_FAILS="1")
+    records = read_records(tmp_path)
+    said = messages(err)
+    assert [argv(r) for r in records if r[0] == "scancel"] == [["--signal=USR1", "4242.7"]], err[-3000:]
+    assert "[ray_on_slurm] USR1: squeue did not name the driver's step (try 1 of 3)" in said
+    assert "[ray_on_slurm] USR1: the time limit is near; the trainer saves after the step in flight (step 4242.7)" in (
+        said
+    )
+    # the driver saved (exit 85) and the job was requeued; Slurm then ended the script (TERM), which cleaned up
+    assert "[ray_on_slurm] the trainer saved and stopped for the time limit (exit 85)" in said
+    assert [argv(r) for r in records if r[0] == "scontrol" and argv(r)[0] == "requeue"] == [["requeue", "4242"]]
+    assert proc.returncode == 143 and not (tmp_path / "shared" / "verl" / ".ray-auth" / "4242").exists()
+
+
+def test_a_requeue_slurm_refuses_is_logged_and_the_job_ends_with_85(tmp_path):
+    proc, out, err = _time_limit_warning(tmp_path, FAKE_REQUEUE_RC="1")
+    assert proc.returncode == 85, err[-3000:]
+    (line,) = [m for m in messages(err) if "requeue 4242 failed" in m]
+    assert line.startswith("[ray_on_slurm] scontrol requeue 4242 failed (status 1): a job submitted with --no-requeue")
+
+
+R = "actor_rollout_ref.rollout"  # separate_async's standalone pool
+
+
+@pytest.mark.parametrize(
+    "args,gpus",
+    [
+        ((f"{R}.nnodes=1", f"{R}.n_gpus_per_node=4"), "4"),
+        ((f"+{R}.nnodes=1", f"{R}.n_gpus_per_node=2"), "6"),
+        ((f"{R}.nnodes=1", f"++{R}.n_gpus_per_node=2", "trainer.n_gpus_per_node=4"), "4"),
+    ],
+    ids=["4+4", "6+2", "4+2"],
+)
+def test_separate_async_pool_shares_a_single_node_where_both_fit(tmp_path, args, gpus):
+    """verl's fully-async layout: one 8-GPU node, the trainer on some GPUs and the rollout pool on others."""
+    proc, records = run_sbatch(tmp_path, "trainer=separate_async", *args, FAKE_NODES=NODES[0],
+                               SLURM_JOB_NODELIST=NODES[0])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = launches(records)
+    assert [(env["NNODES"], env["NGPUS_PER_NODE"]) for _, env, _ in runs] == [("1", gpus)] * 2
+    assert all(rest == ["trainer=separate_async", *args] for _, _, rest in runs)
+    pool = args[1].rsplit("=", 1)[1]
+    assert f"(trainer 1, rollout pool 1 x {pool} GPUs beside {gpus} of the trainer's)" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((f"{R}.nnodes=1",), "leaves none of the 1 allocated node(s) to the trainer"),
+        ((f"{R}.nnodes=2", f"{R}.n_gpus_per_node=4"), "leaves none of the 1"),
+        ((f"{R}.nnodes=1", f"{R}.n_gpus_per_node=8"), f"trainer.n_gpus_per_node=0 + {R}.n_gpus_per_node=8 on each"),
+        ((f"{R}.nnodes=1", f"{R}.n_gpus_per_node=4", "trainer.n_gpus_per_node=6"), "=6 + actor_rollout_ref"),
+        ((f"{R}.nnodes=1", f"{R}.n_gpus_per_node=four"), f"{R}.n_gpus_per_node=four: expected a number of GPUs"),
+    ],
+    ids=["no-pool-gpus", "pool-larger", "no-trainer-gpus", "over-8", "not-a-number"],
+)
+def test_separate_async_pools_that_do_not_fit_a_node_fail_before_any_step(tmp_path, args, message):
+    proc, records = run_sbatch(tmp_path, "trainer=separate_async", *args, FAKE_NODES=NODES[0],
+                               SLURM_JOB_NODELIST=NODES[0])  # fmt: skip
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
     assert not [r for r in records if r[0] in ("srun", "ray")]

@@ -4,7 +4,9 @@
 
 1. A stand-in launch script: the time-limit warning (``scancel --signal=USR1 --batch``, what ``--signal=B:USR1@<s>``
    sends) reaches the driver's step through the script; the driver exits 85 and the job is requeued, and the
-   requeued job runs to its end. A driver that crashes (exit 1) is not requeued.
+   requeued job runs to its end. A driver that crashes (exit 1) is not requeued. The same job checks Ray's token
+   authentication: the driver joins the cluster with the job's token, ``ray.init`` without a token or with a wrong
+   one is refused, and the token is in no process's arguments or environment, nor in the job's output.
 2. End to end (the CPU backend's training, two ranks, ``trainer=colocate_async``, through the 7B launcher): after
    step 2 the job's time limit is shortened with ``scontrol update`` so that a step and a save no longer fit; the
    trainer reads the new end from ``squeue``, saves after the step in flight and exits 85; the script requeues the
@@ -19,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -35,24 +38,82 @@ VENV_BIN = Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv")) / "bin"
 
 STUB_LAUNCH = r"""#!/usr/bin/env bash
 # Stand-in driver: exits 85 on USR1 (as the recipe's driver after its save), FAKE_CRASH=1 exits 1 at once, a requeued
-# run exits 0.
+# run exits 0. STUB_RAY_INIT=1: first joins the job's Ray cluster as the recipe's driver does (ray.init, RAY_ADDRESS).
 echo "stub: start restart=${SLURM_RESTART_COUNT:-0} NNODES=${NNODES} PREFLIGHT=${PREFLIGHT}" >> "${STUB_LOG}"
 [[ "${FAKE_CRASH:-0}" == 1 ]] && { echo "stub: crash" >> "${STUB_LOG}"; exit 1; }
 [[ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]] && { echo "stub: resumed, done" >> "${STUB_LOG}"; exit 0; }
+if [[ "${STUB_RAY_INIT:-0}" == 1 ]]; then
+    join='import ray; ray.init(log_to_driver=False); print("stub: ray.init CPU=%g" % ray.cluster_resources()["CPU"])'
+    python -c "${join}" >> "${STUB_LOG}" || exit 1
+fi
 trap 'echo "stub: USR1" >> "${STUB_LOG}"; exit 85' USR1
 touch "${STUB_LOG}.running"
 while true; do sleep 0.2; done
 """
 
 
-def _interface() -> str | None:
-    """A non-loopback IPv4 interface of this host (the script refuses loopback addresses)."""
+def _interface_and_address() -> tuple[str, str] | tuple[None, None]:
+    """A non-loopback IPv4 interface of this host and its address (the script refuses loopback addresses)."""
     out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
     for line in out.splitlines():
         fields = line.split()
         if len(fields) > 3 and fields[1] != "lo" and not fields[3].startswith("127."):
-            return fields[1]
-    return None
+            return fields[1], fields[3].split("/")[0]
+    return None, None
+
+
+def _interface() -> str | None:
+    return _interface_and_address()[0]
+
+
+# A client of the job's cluster from outside the job: exit 3 when the GCS refuses it (one connection attempt
+# instead of Ray's twenty, a second each).
+CLIENT = """
+import sys, ray
+try:
+    ray.init(address=sys.argv[1], log_to_driver=False)
+except ConnectionError as e:
+    print("refused:", e)
+    sys.exit(3)
+print("connected")
+"""
+
+
+def _outsiders(address: str, home: Path, token_file: Path) -> dict[str, subprocess.CompletedProcess]:
+    """ray.init to the job's GCS without the token (RAY_AUTH_MODE unset, no ~/.ray/auth_token) and with a wrong one,
+    both at once."""
+    home.mkdir(exist_ok=True)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SLURM_"))}
+    base.update(HOME=str(home), RAY_NUM_REDIS_GET_RETRIES="1", PYTHONWARNINGS="ignore")
+    wrong = "0" * len(token_file.read_text())
+    envs = {"no token": base, "wrong token": {**base, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": wrong}}
+    procs = {
+        name: subprocess.Popen(
+            [str(VENV_BIN / "python"), "-c", CLIENT, address],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, env in envs.items()
+    }
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=120)
+        out[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return out
+
+
+def _environments_holding(value: str) -> list[str]:
+    """The processes on this host whose environment holds ``value``."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if value.encode() in environ.read_bytes():
+                found.append(environ.parent.name)
+        except OSError:
+            pass  # gone, or not ours to read
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +146,6 @@ def sbatch_env(tmp: Path, **extra: str) -> dict[str, str]:
         DRIVER_MEM="2G",
         RUN_PREFLIGHT="0",
         REQUEUE_ON_TIMEOUT="1",
-        RAY_AUTH_MODE="disabled",
     )
     env.update(extra)
     return env
@@ -113,16 +173,35 @@ def _read(path: Path) -> str:
 
 
 def test_the_warning_reaches_the_driver_and_exit_85_requeues_the_job(slurm, tmp_path):
+    """Also Ray's token authentication on the job's cluster: the driver joins it, outsiders are refused, the token is
+    in no process's arguments or environment nor in the job's output, and its folder goes with the job."""
     stub = tmp_path / "stub_launch.sh"
     stub.write_text(STUB_LAUNCH)
     stub_log = tmp_path / "stub.log"
-    env = sbatch_env(tmp_path, LAUNCH_SCRIPT=str(stub), STUB_LOG=str(stub_log))
+    env = sbatch_env(tmp_path, LAUNCH_SCRIPT=str(stub), STUB_LOG=str(stub_log), STUB_RAY_INIT="1")
     job = submit(slurm, tmp_path, env, "--time=10", "--signal=B:USR1@30")
     deadline = time.monotonic() + 180
-    while not Path(f"{stub_log}.running").exists():
-        assert time.monotonic() < deadline, _read(tmp_path / "job.out")[-3000:]
-        assert slurm.job(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), _read(tmp_path / "job.out")
-        time.sleep(0.5)
+
+    def wait_for(done) -> None:
+        while not done():
+            assert time.monotonic() < deadline, _read(tmp_path / "job.out")[-3000:]
+            state = slurm.job(job).get("JobState")
+            assert state in ("PENDING", "RUNNING", "CONFIGURING"), _read(tmp_path / "job.out")[-3000:]
+            time.sleep(0.5)
+
+    # The cluster is complete once the driver starts; outsiders try it while the driver joins it.
+    wait_for(lambda: "stub: start" in _read(stub_log))
+    auth = tmp_path / "shared" / ".ray-auth" / job
+    token = (auth / "token").read_text()
+    assert len(token) == 64 and stat.S_IMODE((auth / "token").stat().st_mode) == 0o600
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    assert "ray start" in ps and token not in ps
+    assert _environments_holding(token) == []
+    address = f"{_interface_and_address()[1]}:{env['RAY_PORT']}"
+    for name, client in _outsiders(address, tmp_path / "home", auth / "token").items():
+        assert client.returncode == 3, (name, client.stdout, client.stderr[-2000:])
+        assert "Authentication token is missing or incorrect" in client.stderr, (name, client.stderr[-2000:])
+    wait_for(Path(f"{stub_log}.running").exists)
     # what --signal=B:USR1@<s> does at the time limit: USR1 to the batch script only
     slurm.run("scancel", "--signal=USR1", "--batch", job)
     restart_now(slurm, job)
@@ -131,12 +210,14 @@ def test_the_warning_reaches_the_driver_and_exit_85_requeues_the_job(slurm, tmp_
     assert final["JobState"] == "COMPLETED" and final["Restarts"] == "1", (final, output[-3000:])
     assert _read(stub_log).splitlines() == [
         "stub: start restart=0 NNODES=1 PREFLIGHT=0",
+        "stub: ray.init CPU=8",
         "stub: USR1",
         "stub: start restart=1 NNODES=1 PREFLIGHT=0",
         "stub: resumed, done",
     ], output[-3000:]
     assert "USR1: the time limit is near; the trainer saves after the step in flight (step " in output
     assert f"REQUEUE_ON_TIMEOUT=1: scontrol requeue {job}" in output
+    assert token not in output and not auth.exists()
 
 
 def test_a_crashed_driver_is_not_requeued(slurm, tmp_path):
@@ -165,7 +246,10 @@ def test_a_shortened_time_limit_saves_requeues_and_resumes(slurm, ray_cluster, t
     env = _launcher_env(tmp_path, assets, {"ALLOW_HOME_PATHS": "1", "CKPTS_DIR": str(ckpt)})
     env.pop("DRY_RUN")
     env.update(cpu_env(base=env))
-    env = sbatch_env(tmp_path, **{k: v for k, v in env.items() if k not in ("NNODES", "NGPUS_PER_NODE")})
+    # the job's own Ray token and address: none of the local cluster's RAY_* (RAY_AUTH_MODE=disabled, RAY_ADDRESS)
+    env = sbatch_env(
+        tmp_path, **{k: v for k, v in env.items() if k not in ("NNODES", "NGPUS_PER_NODE") and not k.startswith("RAY_")}
+    )
     env.update(LAUNCH_SCRIPT=str(LAUNCHER), GPUS_PER_NODE="2", VERL_FILE_LOGGER_PATH=str(metrics_path))
     total = 5
     args = [

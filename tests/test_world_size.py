@@ -6,6 +6,8 @@ and the config-time check that a world size divides the micro-batches (verl chec
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from gtpo.cpu import cluster
@@ -145,10 +147,33 @@ def test_node_commands_start_a_head_and_join_it():
         cluster.node_command(head_port=1, head=True, gpus=-1)
 
 
-def test_raylets_get_the_cpu_platform_but_not_the_plugin_list():
-    env = cluster.cluster_env({"VERL_USE_EXTERNAL_MODULES": "x.y", "RAY_ADDRESS": "1.2.3.4:5", "PATH": "/bin"})
-    assert env["VERL_PLATFORM"] == "cpu" and env["RAY_AUTH_MODE"] == "disabled" and env["PATH"] == "/bin"
+def test_raylets_get_the_cpu_platform_and_the_token_but_not_the_plugin_list(tmp_path):
+    token = cluster.new_token(tmp_path)
+    base = {"VERL_USE_EXTERNAL_MODULES": "x.y", "RAY_ADDRESS": "1.2.3.4:5", "PATH": "/bin", "RAY_AUTH_TOKEN": "v"}
+    env = cluster.cluster_env(token, base)
+    assert env["VERL_PLATFORM"] == "cpu" and env["PATH"] == "/bin"
+    # the token by path (a value would show in every worker's environment), authentication never turned off
+    assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN_PATH"] == str(token) and "RAY_AUTH_TOKEN" not in env
     assert "VERL_USE_EXTERNAL_MODULES" not in env and "RAY_ADDRESS" not in env
+    assert token.parent.stat().st_mode & 0o777 == 0o700 and token.stat().st_mode & 0o777 == 0o600
+    # a second cluster in the same folder gets a new token, not the old one
+    first = token.read_text()
+    assert len(first) == 64 and cluster.new_token(tmp_path).read_text() != first
+
+
+def test_the_cluster_folder_must_be_private(tmp_path, monkeypatch):
+    """``/tmp/gtpo-ray-<port>`` is a predictable name: one planted by someone else (or left writable) is refused."""
+    monkeypatch.setattr(cluster.tempfile, "gettempdir", lambda: str(tmp_path))
+    planted = tmp_path / "gtpo-ray-6390"
+    planted.mkdir(mode=0o777)
+    planted.chmod(0o777)
+    with pytest.raises(PermissionError, match=r"gtpo-ray-6390: mode 0777 lets group or others write"):
+        cluster.start(nodes=1, port=6390)
+    planted.chmod(0o755)
+    os.chown(planted, 65534, 65534)
+    if os.getuid() == 0:
+        with pytest.raises(PermissionError, match=r"owned by uid 65534"):
+            cluster.start(nodes=1, port=6390)
 
 
 def test_cluster_cli_refuses_bad_sizes(capsys):

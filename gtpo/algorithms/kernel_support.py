@@ -10,8 +10,12 @@ calls the kernel for CPU tensors and the definition otherwise. This module decid
   is reported through :func:`kernel_failed` the same way.
 - Compiled code is cached on disk (numba ``cache=True``): next to the module when the package directory is writable,
   else numba's user-wide cache (``~/.cache/numba``); when neither is writable (a read-only image with a read-only
-  home), ``NUMBA_CACHE_DIR`` is pointed at a per-user folder under the temp directory. An explicit
-  ``NUMBA_CACHE_DIR`` always wins.
+  home), ``NUMBA_CACHE_DIR`` is pointed at a per-user folder under the temp directory. numba unpickles a cache's
+  index before any freshness check, so a folder someone else could write is code they choose: the folder numba
+  would pick must be this user's and writable by neither group nor others (:mod:`gtpo.private_files`), else the
+  temp folder is used; that one is created 0700, and if someone planted it in advance, a fresh ``mkdtemp`` folder
+  is used instead (with a warning: compiled once per process tree, not reused). An explicit ``NUMBA_CACHE_DIR``
+  always wins, unchecked: the user's choice.
 - :class:`compile_timer` measures the time spent compiling (or loading from the cache) during one call; the
   estimators report it as ``<estimator>/kernel_compile_s`` on the call that paid it (the trainer's first step).
 - Threads: a kernel runs on ``torch.get_num_threads()`` threads (1 inside a Ray actor, which gets
@@ -45,6 +49,8 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from gtpo.private_files import check_private_dir, private_dir
+
 __all__ = ["load_kernel", "kernel_failed", "compile_timer", "num_threads", "run_threads", "row_shares", "blocks",
            "run_blocks", "kernel_output", "as_numpy_mask", "row_sums", "JIT_OPTIONS"]  # fmt: skip
 
@@ -73,27 +79,57 @@ def _warn_once(key: str, message: str) -> None:
 
 def _writable(path: str) -> bool:
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)  # a folder made here is this user's alone
         tempfile.TemporaryFile(dir=path).close()
         return True
     except OSError:
         return False
 
 
+def _private(path: str) -> bool:
+    try:
+        check_private_dir(path, "numba cache")
+        return True
+    except OSError:
+        return False
+
+
+def cache_dir_for(candidates: Sequence[str], fallback: str) -> str | None:
+    """The ``NUMBA_CACHE_DIR`` to set, or None to leave numba's own choice.
+
+    numba caches in the first writable folder of ``candidates`` (its in-tree ``__pycache__``, then its user-wide
+    cache; the first is made here if missing, 0700): None when that one is private. When it is not (another owner,
+    group or others may write), or none is writable: ``fallback``, made 0700 if missing; if it exists and is not
+    private (planted in advance), a fresh ``tempfile.mkdtemp`` folder, after a warning naming it.
+    """
+    for path in candidates:
+        if _writable(path):
+            if _private(path):
+                return None
+            break  # numba would take this one and load what others put there
+    try:
+        return str(private_dir(fallback, "numba cache"))
+    except OSError as err:
+        fresh = tempfile.mkdtemp(prefix=f"{os.path.basename(fallback)}-")
+        _warn_once("cache", f"numba cache: {err}; compiling into the fresh folder {fresh} instead")
+        return fresh
+
+
 def _ensure_cache_dir() -> None:
-    """Point numba's cache at a writable folder when neither the package nor the user cache can take it."""
+    """Point numba's cache at a folder only this user can write (:func:`cache_dir_for`) unless ``NUMBA_CACHE_DIR``
+    is set (the user's choice, not checked)."""
     if os.environ.get("NUMBA_CACHE_DIR"):
         return
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__pycache__")
     user = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "numba")
-    if _writable(here) or _writable(user):
+    folder = cache_dir_for([here, user], os.path.join(tempfile.gettempdir(), f"gtpo-numba-cache-{os.getuid()}"))
+    if folder is None:
         return
-    fallback = os.path.join(tempfile.gettempdir(), f"gtpo-numba-cache-{os.getuid()}")
-    os.environ["NUMBA_CACHE_DIR"] = fallback
+    os.environ["NUMBA_CACHE_DIR"] = folder
     try:  # numba may already have been imported (vLLM imports it): its config is read again by the cache locator
         import numba
 
-        numba.config.CACHE_DIR = fallback
+        numba.config.CACHE_DIR = folder
     except ImportError:
         pass
 

@@ -17,6 +17,13 @@ env, as on a multi-node cluster whose nodes were started before the job. Join su
 ``ray_kwargs.ray_init.num_cpus=null ray_kwargs.ray_init.num_gpus=null`` (``ray.init`` refuses resources when it
 connects to an existing cluster); the demo does that itself when ``RAY_ADDRESS`` is set.
 
+Like every cluster the recipe starts, it requires Ray's token (``RAY_AUTH_MODE=token``): a fresh random token in a
+folder only this user can read (:func:`gtpo.private_files.write_ray_token`), its path in every raylet's environment
+(:func:`cluster_env`), and in the environment of every driver or client that joins: ``start`` prints the two
+variables. The nodes are started on 127.0.0.1, but Ray 2.60 resolves a loopback address to the host's routable one
+(``ray._private.services.resolve_ip_for_localhost``) and its GCS listens on every interface: the cluster is reachable
+from the network, and the token is what keeps others out.
+
 The tests own their cluster's processes (:func:`node_command` with ``block=True``); ``start`` / ``stop`` here are
 for a person trying the CPU backend on several nodes.
 """
@@ -24,6 +31,7 @@ for a person trying the CPU backend on several nodes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import subprocess
@@ -32,7 +40,11 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["cluster_env", "free_port", "node_command", "ray_executable", "start", "stop", "wait_for_nodes"]
+from gtpo.private_files import private_dir, ray_token_env, write_ray_token
+
+__all__ = [
+    "cluster_env", "free_port", "new_token", "node_command", "ray_executable", "start", "stop", "wait_for_nodes",
+]  # fmt: skip
 
 # Logical CPUs per node: verl's placement bundles ask for several CPUs per worker, more than a 2-core host has.
 CPUS_PER_NODE = 8
@@ -51,15 +63,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def cluster_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment of every raylet: the CPU backend's variables, no plugin list, no ``RAY_ADDRESS``."""
+def new_token(folder: str | os.PathLike) -> Path:
+    """A fresh token for a cluster in ``folder/auth/token`` (the folder private, an older token replaced)."""
+    auth = private_dir(Path(folder) / "auth", "the Ray token folder")
+    with contextlib.suppress(FileNotFoundError):
+        (auth / "token").unlink()
+    return write_ray_token(auth)
+
+
+def cluster_env(token_path: str | os.PathLike, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of every raylet, and of the probes that ask it: the CPU backend's variables, the cluster's token
+    (``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN_PATH``; a token *value* inherited from ``base`` is dropped), no plugin
+    list, no ``RAY_ADDRESS``."""
     from gtpo.cpu import env as cpu_env
 
     out = cpu_env(base=dict(os.environ) if base is None else base)
     out.pop("VERL_USE_EXTERNAL_MODULES", None)
     out.pop("RAY_ADDRESS", None)
-    # A loopback-only cluster: no token authentication (Ray 2.60's `ray start` may require one otherwise).
-    out["RAY_AUTH_MODE"] = "disabled"
+    out.pop("RAY_AUTH_TOKEN", None)
+    out.update(ray_token_env(token_path))
     return out
 
 
@@ -92,11 +114,12 @@ def node_command(
     return cmd
 
 
-def alive_nodes(address: str) -> int:
+def alive_nodes(address: str, token_path: str | os.PathLike) -> int:
     """Number of alive nodes of the cluster at ``address`` (0 when it does not answer)."""
     probe = subprocess.run(
-        [sys.executable, "-c", _COUNT_NODES, address], capture_output=True, text=True, env=cluster_env(), timeout=120
-    )
+        [sys.executable, "-c", _COUNT_NODES, address],
+        capture_output=True, text=True, env=cluster_env(token_path), timeout=120,
+    )  # fmt: skip
     try:
         return int(probe.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
@@ -110,7 +133,9 @@ print(sum(1 for n in ray.nodes() if n["Alive"]))
 """
 
 
-def wait_for_nodes(address: str, nodes: int, timeout: float = 180.0, procs: list | None = None) -> None:
+def wait_for_nodes(
+    address: str, nodes: int, token_path: str | os.PathLike, timeout: float = 180.0, procs: list | None = None
+) -> None:
     """Wait until ``nodes`` nodes of the cluster at ``address`` are alive; raises naming what is missing."""
     deadline = time.monotonic() + timeout
     seen = 0
@@ -118,33 +143,37 @@ def wait_for_nodes(address: str, nodes: int, timeout: float = 180.0, procs: list
         for proc in procs or ():
             if proc.poll() is not None:
                 raise RuntimeError(f"a ray node process exited with {proc.returncode}: {proc.args}")
-        seen = alive_nodes(address)
+        seen = alive_nodes(address, token_path)
         if seen >= nodes:
             return
         time.sleep(2)
     raise TimeoutError(f"the Ray cluster at {address} has {seen} of {nodes} nodes alive after {timeout:.0f} s")
 
 
-def start(nodes: int = 2, gpus_per_node: int = 1, port: int | None = None) -> str:
-    """Start a head and ``nodes - 1`` further nodes in the background; returns the cluster's address."""
+def start(nodes: int = 2, gpus_per_node: int = 1, port: int | None = None) -> tuple[str, Path]:
+    """Start a head and ``nodes - 1`` further nodes in the background; returns the cluster's address and the path
+    of its token."""
     if nodes < 1 or gpus_per_node < 1:
         raise ValueError(f"nodes={nodes}, gpus_per_node={gpus_per_node}: both must be >= 1")
     port = port or free_port()
-    env = cluster_env()
-    root = Path(tempfile.gettempdir()) / f"gtpo-ray-{port}"  # short: Ray's socket paths must fit in 107 bytes
+    # Short (Ray's socket paths must fit in 107 bytes) and predictable, so it must be ours and private: it holds the
+    # nodes' sockets and the token.
+    root = private_dir(Path(tempfile.gettempdir()) / f"gtpo-ray-{port}", "the Ray cluster folder")
+    token_path = new_token(root)
+    env = cluster_env(token_path)
     for i in range(nodes):
         cmd = node_command(head_port=port, head=i == 0, gpus=gpus_per_node, temp_dir=root / f"n{i}")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr}")
     address = f"127.0.0.1:{port}"
-    wait_for_nodes(address, nodes)
-    return address
+    wait_for_nodes(address, nodes, token_path)
+    return address, token_path
 
 
 def stop() -> int:
     """``ray stop``: every Ray process of this host (the simulated cluster's nodes)."""
-    return subprocess.run([ray_executable(), "stop"], env=cluster_env()).returncode
+    return subprocess.run([ray_executable(), "stop"]).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,12 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "stop":
         return stop()
     try:
-        address = start(args.nodes, args.gpus_per_node, args.port)
-    except (RuntimeError, TimeoutError, ValueError) as e:
+        address, token_path = start(args.nodes, args.gpus_per_node, args.port)
+    except (RuntimeError, TimeoutError, ValueError, OSError) as e:
         print(f"gtpo.cpu.cluster: {e}", file=sys.stderr)
         return 1
     print(f"Ray cluster of {args.nodes} nodes x {args.gpus_per_node} GPU at {address}")
-    print(f"export RAY_ADDRESS={address} RAY_AUTH_MODE=disabled")
+    print(f"export RAY_ADDRESS={address} RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token_path}")
     return 0
 
 

@@ -31,9 +31,12 @@ entropy averaged over the last window, and the seconds per training step (``timi
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -111,13 +114,22 @@ def parse_configs(text: str) -> list[str]:
 
 
 def start_local_ray(gpus: int = 1) -> str:
-    """Start a Ray head in this process for the sweep's runs (the CPU backend's environment); its GCS address."""
+    """Start a Ray head in this process for the sweep's runs (the CPU backend's environment); its GCS address.
+
+    Like every cluster the recipe starts, it requires a token (a fresh one in a private folder, removed at exit; the
+    runs inherit its two variables): Ray 2.60 listens on the host's routable address whatever address it is given
+    (``resolve_ip_for_localhost``; the GCS on every interface), so the token is what keeps other users out.
+    """
     import ray
 
     from gtpo.cpu import env as cpu_env
+    from gtpo.private_files import ray_token_env, write_ray_token
 
     os.environ.update(cpu_env())
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    token_dir = tempfile.mkdtemp(prefix="gtpo-ray-auth-")
+    atexit.register(shutil.rmtree, token_dir, ignore_errors=True)
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    os.environ.update(ray_token_env(write_ray_token(token_dir)))
     # address="local": a new cluster even when /tmp/ray/ray_current_cluster names one that has gone
     ctx = ray.init(address="local", num_cpus=16, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     return ctx.address_info["gcs_address"]

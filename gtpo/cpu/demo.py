@@ -67,7 +67,9 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -152,6 +154,7 @@ __all__ = [
     "compute_score",
     "demo_command",
     "demo_overrides",
+    "dry_run",
     "file_logger_records",
     "heatmap_step",
     "latest_token_dump",
@@ -212,7 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="join this running Ray cluster, e.g. one from `python -m gtpo.cpu.cluster start` (default $RAY_ADDRESS)",
     )
     p.add_argument("--assets-only", action="store_true", help="build the assets, print their paths and exit")
-    p.add_argument("--dry-run", action="store_true", help="print the trainer command and exit")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the trainer command, check it as a launcher's DRY_RUN=1 does (the full config with every "
+        "override composed and validated, no Ray) and exit",
+    )
     return p
 
 
@@ -242,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         print(" ".join(cmd))
-        return 0
+        return dry_run([arg for arg in cmd if arg != f"hydra.run.dir={out / 'hydra'}"], args.ray_address)
 
     summary = run_demo(
         assets, args.method, args.steps, args.seed, out, extra, timeout=args.timeout, label="demo", plots=True,
@@ -306,6 +314,28 @@ def demo_command(
     return trainer_command(method, overrides, out / "metrics.jsonl", [*joined, hydra_dir, *extra])
 
 
+def dry_run(cmd: list[str], ray_address: str | None = None) -> int:
+    """Run the trainer command ``cmd`` with ``DRY_RUN=1``, as the launchers' dry run does: the recipe's entry point
+    composes the full config with every override and validates it (the recipe's checks, verl's validate_config, the
+    batch arithmetic), then stops before Ray. Prints its ``[dry run]`` summary lines (not the resolved YAML), or its
+    one-line error; returns its exit status (2: a bad key or value). Without the demo's ``hydra.run.dir`` in ``cmd``
+    Hydra's folder is a temporary one, so nothing is written.
+    """
+    env = {**trainer_env(ray_address), "DRY_RUN": "1"}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("[dry run]"):
+            print(line)
+    if proc.returncode:
+        lines = proc.stderr.strip().splitlines()
+        if os.environ.get("GTPO_TRACEBACK", "0") != "1":
+            # the entry point's one line (gtpo: invalid configuration: ...), else the exception's
+            lines = [line for line in lines if line.startswith("gtpo: ")] or lines[-1:]
+        print("\n".join(lines), file=sys.stderr)
+        print(f"[demo] dry run failed (exit {proc.returncode})", file=sys.stderr)
+    return proc.returncode
+
+
 def run_demo(
     assets: DemoAssets,
     method: str,
@@ -336,12 +366,13 @@ def run_demo(
     if rollout_dir.is_dir():
         shutil.rmtree(rollout_dir)
     print(f"[{label}] method={method} steps={steps} seed={seed}; trainer log: {log_path}", flush=True)
-    env = trainer_env(ray_address)
     t0 = time.monotonic()
-    rc = run_trainer_with_progress(
-        cmd, cwd=REPO_ROOT, env=env, log_path=log_path, metrics_path=metrics_path, total_steps=steps,
-        timeout=timeout, label=label, reward_key=REWARD_KEY,
-    )  # fmt: skip
+    # A private folder for the local cluster's token, gone with the run (mkdtemp: mode 0700).
+    with tempfile.TemporaryDirectory(prefix="gtpo-ray-auth-") as token_dir:
+        rc = run_trainer_with_progress(
+            cmd, cwd=REPO_ROOT, env=trainer_env(ray_address, token_dir), log_path=log_path,
+            metrics_path=metrics_path, total_steps=steps, timeout=timeout, label=label, reward_key=REWARD_KEY,
+        )  # fmt: skip
     wall = time.monotonic() - t0
     summary = {"method": method, "seed": seed, "returncode": rc, "wall_s": round(wall, 1)}
     summary.update(summarize(load_rewards(metrics_path)))

@@ -164,18 +164,28 @@ def trainer_command(method: str, overrides: list[str], metrics_path: str | os.Pa
     ]
 
 
-def trainer_env(ray_address: str | None = None) -> dict[str, str]:
+def trainer_env(ray_address: str | None = None, token_dir: str | os.PathLike | None = None) -> dict[str, str]:
     """This process's environment plus the CPU backend's variables, and the Ray cluster the trainer joins:
     ``ray_address``, or a new local one (``RAY_ADDRESS=local``; without it verl's ``ray.init()`` would join the
-    cluster ``/tmp/ray/ray_current_cluster`` names, even one that has gone)."""
+    cluster ``/tmp/ray/ray_current_cluster`` names, even one that has gone).
+
+    Joining ``ray_address``, the trainer carries the cluster's token variables from this environment (what
+    ``python -m gtpo.cpu.cluster start`` printed); the trainer refuses at once without them. A new local cluster gets
+    a fresh token in ``token_dir`` (a private folder, :func:`gtpo.private_files.write_ray_token`) rather than Ray's
+    shared ``~/.ray/auth_token``.
+    """
     from gtpo.cpu import env as cpu_env
+    from gtpo.private_files import ray_token_env, write_ray_token
 
     env = dict(os.environ)
     env.update(cpu_env())
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("WANDB_MODE", "disabled")
     if ray_address:
-        env.update(RAY_ADDRESS=ray_address, RAY_AUTH_MODE="disabled")
+        env["RAY_ADDRESS"] = ray_address
     else:
         env["RAY_ADDRESS"] = "local"
+        if token_dir is not None:
+            env.pop("RAY_AUTH_TOKEN", None)
+            env.update(ray_token_env(write_ray_token(token_dir)))
     return env

@@ -148,8 +148,9 @@ def check_verl_mode_constraints(config: DictConfig) -> None:
         value = _value(config, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(
-                f"{key}={value!r}: separate_async needs a standalone rollout pool of its own nodes / GPUs (a "
-                f"positive count, on top of trainer.nnodes x trainer.n_gpus_per_node), e.g. {key}=1"
+                f"{key}={value!r}: separate_async needs a standalone rollout pool of its own GPUs (a positive "
+                "count, on top of trainer.nnodes x trainer.n_gpus_per_node: on nodes of its own, or beside the "
+                f"trainer's on shared nodes where both fit), e.g. {key}=1"
             )
     backend = _value(config, "actor_rollout_ref.rollout.checkpoint_engine.backend", "naive")
     if backend == "naive":

@@ -32,22 +32,38 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import io
+import os
+import re
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from gtpo.launch.batch_plan import batch_plan, rollout_pool
 
-__all__ = ["BEGIN_MARK", "END_MARK", "compose_config", "main", "run_dry"]
+__all__ = [
+    "BEGIN_MARK",
+    "CONFIG_ERROR_EXIT",
+    "END_MARK",
+    "compose_config",
+    "config_error_line",
+    "main",
+    "run_dry",
+    "scratch_run_dir",
+]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Lines around the printed YAML, so tools can cut the resolved config out of the log.
 BEGIN_MARK = "----- BEGIN RESOLVED CONFIG -----"
 END_MARK = "----- END RESOLVED CONFIG -----"
+# Exit status of a configuration refused before Ray starts, as recipe.gtpo.main_gtpo.CONFIG_ERROR_EXIT (that module
+# imports Ray and verl; this one stays cheap).
+CONFIG_ERROR_EXIT = 2
 
 
 def _resolved_copy(config: DictConfig) -> DictConfig:
@@ -136,6 +152,34 @@ def _checkpoint_engine_line(cfg: DictConfig) -> str:
     return f"checkpoint engine: {backend}, needs {', '.join(modules)}: {here}"
 
 
+def _resume_line(cfg: DictConfig, use_critic: bool) -> str | None:
+    """What ``trainer.resume_mode=resume_path`` loads. A validation-only run (scripts/eval_checkpoint.sh) evaluates
+    that checkpoint, so it must be here and complete as the resume defines it
+    (:func:`gtpo.trainer.checkpoints.incomplete_reasons`); a training resume is only reported (this machine may not
+    see the cluster's folder, and the trainer loads an incomplete one as asked, with a warning)."""
+    trainer = cfg.trainer
+    if str(trainer.get("resume_mode")) != "resume_path" or not trainer.get("resume_from_path"):
+        return None
+    from gtpo.launch.async_checks import verl_mode
+    from gtpo.trainer.checkpoints import incomplete_reasons, layout_of
+
+    folder = os.path.abspath(str(trainer.resume_from_path))
+    step = re.fullmatch(r"global_step_(\d+)", os.path.basename(folder))
+    if not os.path.isdir(folder):
+        problem = "no such folder here"
+    elif step is None:
+        problem = "not a checkpoint folder global_step_<N>"
+    else:
+        async_mode = verl_mode(str(trainer.v1.trainer_mode)) != "sync"
+        reasons = incomplete_reasons(folder, int(step.group(1)), layout_of(cfg, use_critic, async_mode))
+        problem = f"incomplete checkpoint: {', '.join(reasons)}" if reasons else ""
+    if not problem:
+        return f"resume: trainer.resume_from_path={folder}, a complete checkpoint"
+    if trainer.get("val_only", False):
+        raise ValueError(f"trainer.resume_from_path={folder}: {problem} (trainer.val_only=true evaluates it)")
+    return f"resume: trainer.resume_from_path={folder}: {problem}; the trainer checks it again before loading"
+
+
 def run_dry(config: DictConfig) -> None:
     """Resolve, validate and print ``config``; never starts Ray, never touches an accelerator.
 
@@ -157,6 +201,7 @@ def run_dry(config: DictConfig) -> None:
     check_overlong_shaping(cfg)
     check_trainer_mode(cfg)
     use_ref, use_critic, verl_out = _verl_validate(cfg)
+    resume = _resume_line(cfg, use_critic)
 
     actor = cfg.actor_rollout_ref.actor
     print(BEGIN_MARK)
@@ -186,8 +231,8 @@ def run_dry(config: DictConfig) -> None:
             f"trainer {cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node} GPU(s) = {plan['n_gpus']} "
             f"(ulysses sp={plan['sp']} -> dp={plan['dp']}; vLLM replicas there: "
             f"{plan['rollout_replicas'] if hybrid else 'none, hybrid_engine=false'}) + standalone rollout pool "
-            f"{pool[0]} node(s) x {pool[1]} GPU(s) (vLLM replicas={pool[0] * pool[1] // replica}, tp={tp}): the "
-            f"cluster needs {cfg.trainer.nnodes + pool[0]} GPU nodes"
+            f"{pool[0]} node(s) x {pool[1]} GPU(s) (vLLM replicas={pool[0] * pool[1] // replica}, tp={tp}): "
+            f"{cfg.trainer.nnodes + pool[0]} GPU nodes, or fewer where a node holds a trainer and a pool share"
         )
     print(
         "[dry run] batch: "
@@ -215,6 +260,8 @@ def run_dry(config: DictConfig) -> None:
             f"[dry run] run length: trainer.total_epochs={epochs} x (training prompts // {bsz}) steps "
             "(trainer.total_training_steps unset)"
         )
+    if resume:
+        print(f"[dry run] {resume}")
     for line in memory_lines(cfg):
         print(f"[dry run] {line}")
     print(f"[dry run] {_checkpoint_engine_line(cfg)}")
@@ -239,6 +286,58 @@ def compose_config(overrides: Sequence[str], config_dir: str | Path | None = Non
         return compose(config_name=config_name, overrides=list(overrides))
 
 
+def config_error_line(err: BaseException) -> str | None:
+    """One line for an error of Hydra's composition, naming the override and the valid names; None for any other.
+
+    A misspelt key (``trainer.total_training_step=5``) gets the closest keys at its level rather than Hydra's advice
+    to add it with ``+`` (verl would never read it); an unknown preset (``method=gtpoo``) gets the group's presets.
+    """
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from omegaconf import DictConfig
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file and err.options is not None:
+        group, _, name = str(err.missing_cfg_file).rpartition("/")
+        return f"{group}={name}: no preset {name!r} in group {group}; valid: {', '.join(err.options)}"
+    if isinstance(err, OverrideParseException):
+        return f"{err.override}: not an override ({str(err).splitlines()[0]}); the syntax is key=value"
+    if not isinstance(err, ConfigCompositionException):
+        return None
+    cause = err.__cause__
+    override = re.match(r"Could not override '([^']+)'", str(err))
+    if override and isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
+        level, _, key = str(cause.full_key).rpartition(".")
+        parent = cause.parent_node
+        keys = [str(k) for k in parent.keys()] if isinstance(parent, DictConfig) else []
+        close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+        named = ", ".join(f"{level}.{k}" if level else k for k in close or sorted(keys))
+        where = level or "the config"
+        return f"{override.group(1)}: no key {key!r} in {where}; {'closest' if close else 'valid'}: {named}"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if cause is not None:
+        lines += [line.strip() for line in str(cause).splitlines()[:1] if line.strip()]
+    return " ".join(lines) or type(err).__name__
+
+
+@contextlib.contextmanager
+def scratch_run_dir(argv: list[str]) -> Iterator[str]:
+    """Hydra's run folder (``.hydra/`` and the job log; ``outputs/<date>/<time>/`` under the working directory, the
+    checkout, by default) in a temporary folder removed on exit, for a run that must leave no file behind: a dry run.
+
+    ``hydra.run.dir=<tmp>`` goes into ``argv`` (``sys.argv``) before the first override, so one given on the command
+    line still wins (the last override of a key does) and Hydra's parser, which takes no override after a flag, still
+    sees the overrides together.
+    """
+    with tempfile.TemporaryDirectory(prefix="gtpo-dry-run-") as tmp:
+        arg = f"hydra.run.dir={tmp}"
+        at = next((i for i, a in enumerate(argv) if i and "=" in a and not a.startswith("-")), len(argv))
+        argv.insert(at, arg)
+        try:
+            yield tmp
+        finally:
+            argv.remove(arg)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: ``python -m gtpo.launch.dry_run [--config-dir D] [--config-name N] override ...``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -249,7 +348,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     import verl  # noqa: F401  (loads VERL_USE_EXTERNAL_MODULES and verl.plugins entry points)
 
     try:
-        run_dry(compose_config(args.overrides, args.config_dir, args.config_name))
+        config = compose_config(args.overrides, args.config_dir, args.config_name)
+    except Exception as err:
+        line = config_error_line(err)
+        if line is None or os.environ.get("GTPO_TRACEBACK", "0") == "1":
+            raise
+        print(f"[dry run] FAILED: {line}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    try:
+        run_dry(config)
     except ValueError as err:
         print(f"[dry run] FAILED: {err}", file=sys.stderr)
         return 1

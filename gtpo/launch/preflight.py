@@ -22,7 +22,10 @@ meet, one line per check, stopping at the first failure (exit status 1):
    environment): verl's TaskRunner resolves it in its working directory, a Ray session's scratch folder on
    whichever node it starts, so the log is lost with the session and a resume finds no history to keep;
 7. ``checkpoint cadence``: ``trainer.save_freq > 0`` (a Slurm time limit or a crash otherwise loses every step);
-8. ``checkpoint dir``: ``trainer.default_local_dir`` is writable here (a token file is written, removed at the end);
+8. ``checkpoint dir``: ``trainer.default_local_dir`` is writable here (a token file is written, removed at the end)
+   and nobody else can plant files in it: this user's, not writable by group or others, no symlink, and its parent
+   not writable by group or others without the sticky bit (verl loads checkpoints with ``torch.load``, which runs
+   code; :func:`gtpo.launch.preflight_checks.check_checkpoint_dir`);
 9. ``ray cluster``: the GPU nodes and their GPUs match ``trainer.nnodes`` x ``trainer.n_gpus_per_node``, plus
    ``actor_rollout_ref.rollout.nnodes`` x ``n_gpus_per_node`` under separate_async, no node on a loopback address
    (RAY_ADDRESS set: the Ray cluster; unset: this machine through ``nvidia-smi -L``);
@@ -52,6 +55,7 @@ from omegaconf import DictConfig, OmegaConf
 from gtpo.launch.preflight_checks import (
     PreflightError,
     as_list,
+    check_checkpoint_dir,
     check_config,
     check_model,
     check_overlong,
@@ -72,6 +76,7 @@ from gtpo.launch.preflight_cluster import (
     node_report,
     wanted_interfaces,
 )
+from gtpo.launch.ray_auth import ray_auth_problem
 
 __all__ = ["LocalCluster", "PreflightError", "RayCluster", "main", "node_report", "run_preflight"]
 
@@ -131,13 +136,16 @@ def run_preflight(cfg: DictConfig, cluster: Any, env: dict[str, str] | None = No
 
         def writable() -> str:
             nonlocal token_file
+            check_checkpoint_dir(ckpt_dir)  # before creating anything under a parent others could write
             try:
                 ckpt_dir.mkdir(parents=True, exist_ok=True)
+                # checked again as it now is: the umask's mode, or a folder someone else made meanwhile
+                private = check_checkpoint_dir(ckpt_dir)
                 token_file = ckpt_dir / f".preflight-{token}"
                 token_file.write_text(token)
             except OSError as err:
                 raise PreflightError("checkpoint dir", f"trainer.default_local_dir={ckpt_dir}: {err}") from None
-            return f"{ckpt_dir} writable"
+            return f"{ckpt_dir} writable, {private}"
 
         check("checkpoint dir", writable)
         nodes = cluster.nodes()
@@ -165,11 +173,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     import verl  # noqa: F401  (loads VERL_USE_EXTERNAL_MODULES and verl.plugins entry points)
 
     import gtpo.verl_plugin.register  # noqa: F401
-    from gtpo.launch.dry_run import compose_config
+    from gtpo.launch.dry_run import CONFIG_ERROR_EXIT, compose_config, config_error_line
 
     overrides = list(sys.argv[1:] if argv is None else argv)
-    cfg = compose_config(overrides)
+    try:
+        cfg = compose_config(overrides)
+    except Exception as err:
+        # a misspelt key or preset: one line naming it, as the recipe's entry point prints it
+        line = config_error_line(err)
+        if line is None or os.environ.get("GTPO_TRACEBACK", "0") == "1":
+            raise
+        print(f"[preflight] FAIL config: {line}", flush=True)
+        return CONFIG_ERROR_EXIT
     address = os.environ.get("RAY_ADDRESS", "")
+    auth_problem = ray_auth_problem()
+    if auth_problem:
+        print(f"[preflight] FAIL ray cluster: {auth_problem}", flush=True)
+        return 1
     try:
         cluster = RayCluster(address) if address else LocalCluster()
     except Exception as err:  # ray.init raises ConnectionError and others

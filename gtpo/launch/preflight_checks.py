@@ -2,8 +2,9 @@
 machine say, each a short function returning its ``ok`` line or raising :class:`PreflightError`.
 
 ``config`` (the recipe's validation and the whole dry run), ``overlong buffer``, ``train data`` / ``val data``,
-``run length``, ``model``, ``trackers`` (and the ``warn`` lines of relative log folders). The checkpoint cadence and
-folder are two lines of :func:`gtpo.launch.preflight.run_preflight` itself; the cluster's checks (9-12) are
+``run length``, ``model``, ``trackers`` (and the ``warn`` lines of relative log folders), and who may write into the
+checkpoint folder (:func:`check_checkpoint_dir`). The checkpoint cadence and folder are two lines of
+:func:`gtpo.launch.preflight.run_preflight` itself; the cluster's checks (9-12) are
 :mod:`gtpo.launch.preflight_cluster`.
 """
 
@@ -13,13 +14,16 @@ import contextlib
 import io
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["PreflightError", "as_list", "check_config", "check_model", "check_overlong", "check_parquet",
-           "check_run_length", "check_trackers", "log_dir_warnings", "parquet_rows"]  # fmt: skip
+from gtpo.private_files import check_private_dir
+
+__all__ = ["PreflightError", "as_list", "check_checkpoint_dir", "check_config", "check_model", "check_overlong",
+           "check_parquet", "check_run_length", "check_trackers", "log_dir_warnings", "parquet_rows"]  # fmt: skip
 
 
 class PreflightError(Exception):
@@ -182,3 +186,26 @@ def log_dir_warnings(cfg: DictConfig, env: dict[str, str]) -> list[str]:
                 "put it under CKPTS_DIR)"
             )
     return warnings
+
+
+def check_checkpoint_dir(path: Path) -> str:
+    """Refuse a checkpoint folder others could plant files in: verl loads its shards and ``data.pt`` with
+    ``torch.load(weights_only=False)``, which runs code. Returns the ``ok`` detail.
+
+    An existing ``trainer.default_local_dir`` must be a real folder (no symlink) of this user's that neither group
+    nor others may write (:func:`gtpo.private_files.check_private_dir`). Its parent is not judged: shared project
+    folders are often group-writable, and a folder someone swapped in for this one would be theirs, which this check
+    (and the driver's before a resume) refuses.
+    """
+    path = Path(os.path.abspath(path))
+    parent = path.parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        parent = parent.parent
+    if not os.path.lexists(path):
+        return f"missing, to be created under {parent}"
+    try:
+        check_private_dir(path, "trainer.default_local_dir")
+    except OSError as err:
+        raise PreflightError("checkpoint dir", str(err)) from None
+    st = os.lstat(path)
+    return f"private (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})"

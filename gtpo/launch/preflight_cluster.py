@@ -2,7 +2,8 @@
 
 :func:`node_report` runs once on every node (a Ray task pinned to it; :class:`RayCluster`) or on this machine alone
 (:class:`LocalCluster`, no ``RAY_ADDRESS``); the checks read the reports: ``ray cluster`` (GPU nodes and GPUs per
-node against ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` and the standalone rollout pool, no loopback node),
+node against ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` and the standalone rollout pool, on nodes of its own or
+sharing the trainer's where both fit, no loopback node),
 ``checkpoint shared`` (every node reads the token file back), ``driver`` (NVIDIA driver major >=
 ``MIN_DRIVER_VERSION``), ``interfaces`` (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``, ``RAY_NETWORK_INTERFACE``
 with a non-loopback IPv4 address on every node).
@@ -118,6 +119,9 @@ class RayCluster:
 
 
 def check_cluster(cfg: DictConfig, nodes: list[dict[str, Any]], remote: bool) -> str:
+    """The GPU nodes against the trainer's pool and, under separate_async, the standalone rollout pool: each pool's
+    nodes of their own (``trainer.nnodes`` + ``rollout.nnodes`` GPU nodes), or fewer nodes that hold both side by
+    side (verl checks the total only; one 8-GPU node split 4 + 4 is its fully-async examples' layout)."""
     from gtpo.launch.batch_plan import rollout_pool
 
     trainer_nodes, want_gpus = int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node)
@@ -130,12 +134,14 @@ def check_cluster(cfg: DictConfig, nodes: list[dict[str, Any]], remote: bool) ->
             "pool has nodes of its own; under Slurm pass actor_rollout_ref.rollout.nnodes to the sbatch, which gives "
             "the trainer the allocation minus the pool)"
         )
-    if not remote and want_nodes > 1:
-        raise PreflightError("ray cluster", f"{wanted} but RAY_ADDRESS is unset: run on the cluster")
     for node in nodes:
         if node["address"] and str(node["address"]).startswith("127."):
             raise PreflightError("ray cluster", f"node {node['node']} joined on loopback address {node['address']}")
     gpu_nodes = [n for n in nodes if n["gpus"] > 0]
+    if pool_nodes and len(gpu_nodes) < want_nodes:
+        return _check_shared_nodes(gpu_nodes, trainer_nodes, want_gpus, pool_nodes, pool_gpus, wanted, remote, nodes)
+    if not remote and want_nodes > 1:
+        raise PreflightError("ray cluster", f"{wanted} but RAY_ADDRESS is unset: run on the cluster")
     if len(gpu_nodes) != want_nodes:
         raise PreflightError(
             "ray cluster", f"{len(gpu_nodes)} GPU node(s) {[n['node'] for n in gpu_nodes]} != {wanted}"
@@ -158,6 +164,48 @@ def check_cluster(cfg: DictConfig, nodes: list[dict[str, Any]], remote: bool) ->
     if pool_nodes:
         shape += f" + rollout pool {pool_nodes} x >= {pool_gpus}"
     return shape + (f", {len(nodes)} node(s) in all" if remote else "")
+
+
+def _check_shared_nodes(
+    gpu_nodes: list[dict[str, Any]],
+    trainer_nodes: int,
+    want_gpus: int,
+    pool_nodes: int,
+    pool_gpus: int,
+    wanted: str,
+    remote: bool,
+    nodes: list[dict[str, Any]],
+) -> str:
+    """Fewer GPU nodes than the two pools' nodes: they pass when the pools fit side by side. verl places each pool
+    node's GPUs as one block on one node (a STRICT_PACK placement group), so the blocks must pack into the nodes."""
+    blocks = [want_gpus] * trainer_nodes + [pool_gpus] * pool_nodes
+    free = [n["gpus"] for n in gpu_nodes]
+    if not _packs(sorted(blocks, reverse=True), free):
+        have = f"{len(gpu_nodes)} GPU node(s) {[n['node'] for n in gpu_nodes]}"
+        raise PreflightError(
+            "ray cluster",
+            f"{have} != {wanted}, nor do they hold both pools side by side: trainer {trainer_nodes} x {want_gpus} "
+            f"GPU(s) + rollout pool {pool_nodes} x {pool_gpus} GPU(s) (each pool node's GPUs on one node) on nodes of "
+            f"{free} GPU(s)" + ("" if remote else "; RAY_ADDRESS is unset: run on the cluster"),
+        )
+    shape = (
+        f"{trainer_nodes} x {want_gpus} GPU(s) + rollout pool {pool_nodes} x {pool_gpus} sharing "
+        f"{len(gpu_nodes)} GPU node(s) of {free} GPU(s)"
+    )
+    return shape + (f", {len(nodes)} node(s) in all" if remote else "")
+
+
+def _packs(blocks: list[int], free: list[int]) -> bool:
+    """Whether every block (largest first) fits whole into one node's free GPUs (exact search; a few blocks)."""
+    if not blocks:
+        return True
+    tried = set()
+    for i, room in enumerate(free):
+        if room >= blocks[0] and room not in tried:
+            tried.add(room)  # nodes with the same room left are interchangeable
+            if _packs(blocks[1:], free[:i] + [room - blocks[0]] + free[i + 1 :]):
+                return True
+    return False
 
 
 def check_shared(reports: list[dict[str, Any]], token: str, path: Path) -> str:

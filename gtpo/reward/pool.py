@@ -25,6 +25,9 @@ Design points:
   ``RLIMIT_AS`` in the worker: an address-space limit surfaces as a ``MemoryError`` that math-verify's own
   ``except Exception`` swallows (the call would score as an ordinary parse failure and the worker keep a damaged
   heap), and it counts reserved, untouched address space. Without ``/proc`` (not Linux) there is no ceiling.
+* Environment: a worker starts with the parent's minus every variable whose name looks like a secret
+  (``KEY``, ``TOKEN``, ``SECRET``, ``PASSWORD``, ``PASSWD``, ``CREDENTIAL``, any case: ``WANDB_API_KEY``, ``HF_TOKEN``,
+  ``RAY_AUTH_TOKEN_PATH``); it grades text the policy wrote and needs none of them. The parent's is unchanged.
 * Two kinds of job: ``grade`` (an extracted answer, strict mode) and ``grade_response`` (a whole response graded
   with math-verify's own extraction, lenient mode); same limits for both.
 """
@@ -34,6 +37,7 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import re
 import select
 import subprocess
 import sys
@@ -45,7 +49,7 @@ from pathlib import Path
 from gtpo.reward._protocol import HEADER as _HEADER
 from gtpo.reward._protocol import encode, write_all
 
-__all__ = ["GraderPool", "default_memory_limit_mb", "default_num_workers", "get_pool", "shutdown_pool"]
+__all__ = ["GraderPool", "default_memory_limit_mb", "default_num_workers", "get_pool", "shutdown_pool", "worker_env"]
 
 _PKG_PARENT = str(Path(__file__).resolve().parents[2])
 # How often a waiting call reads its worker's resident set size.
@@ -81,6 +85,21 @@ def _rss_bytes(pid: int) -> int | None:
         return None
 
 
+# What a grading worker never inherits: credentials, and paths to them (RAY_AUTH_TOKEN_PATH); see the module docstring.
+_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+
+
+def worker_env(parent: dict[str, str], parent_pid: int) -> dict[str, str]:
+    """A grading worker's environment: ``parent``'s without secret-looking names, this package first on
+    ``PYTHONPATH``, the owner's pid, single-threaded BLAS (sympy needs no BLAS threads)."""
+    env = {k: v for k, v in parent.items() if not _SECRET_NAME.search(k)}
+    env["PYTHONPATH"] = _PKG_PARENT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["GTPO_GRADER_PARENT"] = str(parent_pid)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = "1"
+    return env
+
+
 def default_num_workers() -> int:
     """``GTPO_REWARD_WORKERS`` if set, else min(8, cpu count): verl runs several reward actors per node."""
     n = _env_number("GTPO_REWARD_WORKERS", int, 1, ">= 1")
@@ -91,17 +110,11 @@ class _Worker:
     """One grading subprocess and its pipe ends."""
 
     def __init__(self, start_timeout_s: float):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = _PKG_PARENT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env["GTPO_GRADER_PARENT"] = str(os.getpid())
-        # sympy needs no BLAS threads; keep workers single-threaded
-        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-            env[var] = "1"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gtpo.reward._worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=env,
+            env=worker_env(dict(os.environ), os.getpid()),
             close_fds=True,
             # own session: a terminal Ctrl-C reaches the parent only, which then cleans up
             start_new_session=True,

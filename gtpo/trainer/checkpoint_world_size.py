@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from gtpo.private_files import check_private_dir
 from gtpo.trainer.checkpoints import (
     ROLE_DIRS,
     CheckpointLayout,
@@ -85,6 +86,19 @@ def check_resume_world_size(folder: str, nnodes: int, n_gpus_per_node: int) -> N
     )
 
 
+def _refuse_unless_private(folder: str, what: str, inside: bool) -> None:
+    """``folder`` (and with ``inside`` every folder in it, symlinks not followed: one is refused) only this user can
+    write (:func:`gtpo.private_files.check_private_dir`); verl loads the files there with ``torch.load``, which runs
+    code."""
+    try:
+        check_private_dir(folder, what)
+        for top, dirs, _ in os.walk(folder) if inside else ():
+            for name in dirs:
+                check_private_dir(os.path.join(top, name), "a folder of the checkpoint")
+    except OSError as err:
+        raise RuntimeError(f"cannot resume: {err}") from None
+
+
 def check_world_size_before_launch(trainer_cfg: Any, layout: CheckpointLayout) -> str | None:
     """The driver's early :func:`check_resume_world_size`, before Ray starts or a GPU is allocated: the folder a
     resume would load (``resume_path``: the named one; ``auto``: the tracker's when complete, else the newest complete
@@ -92,14 +106,22 @@ def check_world_size_before_launch(trainer_cfg: Any, layout: CheckpointLayout) -
     Returns the folder checked; None when there is nothing to check here (no
     resume, or the checkpoint folder is not visible from the driver: the trainer checks again before loading).
 
+    First, since verl loads checkpoints with ``torch.load(weights_only=False)`` (code, whatever the file names say),
+    the folder and every folder in it must be this user's, writable by neither group nor others, and no symlink;
+    under ``auto`` ``trainer.default_local_dir`` too, wherever it exists (also with nothing saved yet: a run saving
+    there would resume from it later). The preflight refuses such a folder as well, but it can be skipped.
+
     Raises:
-        RuntimeError: as :func:`check_resume_world_size`.
+        RuntimeError: a folder others could plant files in, named with its owner or mode; or as
+            :func:`check_resume_world_size`.
     """
     mode = str(trainer_cfg.get("resume_mode", "disable"))
     if mode == "resume_path" and trainer_cfg.get("resume_from_path"):
         folder = os.path.abspath(str(trainer_cfg.resume_from_path))
     elif mode == "auto" and trainer_cfg.get("default_local_dir"):
         root = os.path.abspath(str(trainer_cfg.default_local_dir))
+        if os.path.lexists(root):  # before reading anything in it
+            _refuse_unless_private(root, "trainer.default_local_dir", inside=False)
         step, _ = read_tracker(root)
         named = os.path.join(root, f"global_step_{step}") if step is not None else None
         if named is not None and not incomplete_reasons(named, step, layout):
@@ -109,8 +131,9 @@ def check_world_size_before_launch(trainer_cfg: Any, layout: CheckpointLayout) -
             folder = found[1] if found else None
     else:
         return None
-    if folder is None or not os.path.isdir(folder):
+    if folder is None or not os.path.lexists(folder):
         return None
+    _refuse_unless_private(folder, "trainer.resume_from_path" if mode == "resume_path" else "checkpoint", inside=True)
     check_resume_world_size(folder, trainer_cfg.nnodes, trainer_cfg.n_gpus_per_node)
     return folder
 

@@ -5,8 +5,10 @@ error, a replica restarted) and drops the failed trajectories (``verl/trainer/pp
 group can reach the estimator with, say, 14 of 16 responses. Every estimator takes groups of any size, but GTPO's
 group-scope statistics, GRPO-S's group standard deviation and ``gtpo_traj``'s conflict tokens then rest on fewer
 responses without anything saying so. Each estimator call logs ``<estimator>/min_group_size`` and
-``<estimator>/short_groups`` (groups with fewer than ``rollout.n`` responses); ``algorithm.groups.refuse_short``
-fails the step instead.
+``<estimator>/short_groups_total`` (groups with fewer than ``rollout.n`` responses); ``algorithm.groups.refuse_short``
+fails the step instead. The names choose how verl's ``MetricsAggregator`` combines the ``parameter_sync_step`` slices
+of a separate_async step (``verl/trainer/ppo/v1/utils.py``, by name): "min" takes the smallest, "total" the sum; a
+count under any other name would be averaged over the slices.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class ShortGroupError(RuntimeError):
 
 
 def group_size_metrics(index: np.ndarray, expected: int, prefix: str, refuse_short: bool = False) -> dict[str, float]:
-    """``{<prefix>/min_group_size, <prefix>/short_groups}`` of the uids in ``index``.
+    """``{<prefix>/min_group_size, <prefix>/short_groups_total}`` of the uids in ``index``.
 
     Args:
         index: ``[rows]`` group id (uid) of each real response.
@@ -45,7 +47,7 @@ def group_size_metrics(index: np.ndarray, expected: int, prefix: str, refuse_sho
     if expected < 1:
         raise ValueError(f"expected={expected!r}: responses per group must be >= 1")
     if len(index) == 0:
-        return {f"{prefix}/min_group_size": 0.0, f"{prefix}/short_groups": 0.0}
+        return {f"{prefix}/min_group_size": 0.0, f"{prefix}/short_groups_total": 0.0}
     uids, sizes = np.unique(np.asarray(index, dtype=object).astype(str), return_counts=True)
     short = sizes < expected
     if refuse_short and short.any():
@@ -55,4 +57,4 @@ def group_size_metrics(index: np.ndarray, expected: int, prefix: str, refuse_sho
             f"sessions): {listed}{', ...' if short.sum() > 5 else ''}; algorithm.groups.refuse_short=false shapes "
             "them with the responses they have"
         )
-    return {f"{prefix}/min_group_size": float(sizes.min()), f"{prefix}/short_groups": float(short.sum())}
+    return {f"{prefix}/min_group_size": float(sizes.min()), f"{prefix}/short_groups_total": float(short.sum())}

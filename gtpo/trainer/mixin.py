@@ -15,11 +15,12 @@ recipe's estimators (``gtpo``, ``grpo_s``, ``gtpo_traj``) it:
 
 Each call also logs how much of the batch it saw, ``<estimator>/estimator_rows`` (responses) and
 ``<estimator>/estimator_groups`` (prompts), ``<estimator>/estimator_calls_total`` (calls per step), and the groups
-that failed rollout sessions left short of ``rollout.n`` (``<estimator>/min_group_size``, ``<estimator>/short_groups``;
-``algorithm.groups.refuse_short`` fails the step instead: :mod:`gtpo.trainer.group_sizes`): under
-``separate_async`` verl's step calls the advantage computation once per ``parameter_sync_step`` slice, so the
-batch-scope statistics cover a slice, not the step (verl's metrics aggregator averages the first two over the calls
-and sums the third). The forking loss's ``scope=batch`` threshold logs ``forking/batch_scope_rows`` likewise.
+that failed rollout sessions left short of ``rollout.n`` (``<estimator>/min_group_size``,
+``<estimator>/short_groups_total``; ``algorithm.groups.refuse_short`` fails the step instead:
+:mod:`gtpo.trainer.group_sizes`): under ``separate_async`` verl's step calls the advantage computation once per
+``parameter_sync_step`` slice, so the batch-scope statistics cover a slice, not the step (verl's metrics aggregator
+averages the first two over the calls, sums the ``_total`` counts and takes the smallest group size). The forking
+loss's ``scope=batch`` threshold logs ``forking/batch_scope_rows`` likewise.
 
 Every other estimator (``grpo``, ``gae``, ...) goes through the base method unchanged, so baselines run the
 exact verl code path. Also here: DAPO's ``max_num_gen_batches`` round limit (sync only: verl 0.9.1 ignores it),

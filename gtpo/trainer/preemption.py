@@ -9,11 +9,11 @@ What happens (every trainer mode, every method):
   driver (``python -m recipe.gtpo.main_gtpo``), which relays it through Ray's internal key-value store to the
   trainer in the TaskRunner actor, wherever that runs (:class:`DriverRelay`); or as ``python -m
   gtpo.trainer.preemption request`` run on any node of the cluster (a Kubernetes preStop hook).
-* **A deadline**: the job's end (``algorithm.preemption.deadline``: ``auto`` reads Slurm's ``SLURM_JOB_END_TIME``, or
-  ``squeue -h -j $SLURM_JOB_ID -o %e`` where Slurm does not set it (22.05); or a Unix time / ISO 8601 time for any
+* **A deadline**: the job's end (``algorithm.preemption.deadline``: ``auto`` reads Slurm's ``squeue -h -j
+  $SLURM_JOB_ID -o %e``, or ``SLURM_JOB_END_TIME`` where squeue cannot tell; or a Unix time / ISO 8601 time for any
   scheduler). It is read again after every step, so ``scontrol update JobId=<id> TimeLimit=...`` takes effect. When
-  the time left is less than the longest step seen plus the longest save seen (``save_estimate_s`` before the
-  first) plus ``margin_s``, the trainer stops as on a signal and logs the time left.
+  the time left is less than ``step_factor`` times the longest step seen, plus the longest save seen
+  (``save_estimate_s`` before the first), plus ``margin_s``, the trainer stops as on a signal and logs the time left.
 
 Then the trainer finishes the step in flight, saves a complete checkpoint of it (unless that step's periodic save
 already did), skips the rest of the step's hooks (the weight sync to the rollout, validation), logs the step's
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import signal
 import subprocess
@@ -45,6 +46,8 @@ __all__ = [
     "StopPolicy",
     "params_of",
     "parse_deadline",
+    "record_stall",
+    "recorded_stall",
     "resolve_deadline",
 ]
 
@@ -70,6 +73,7 @@ class PreemptionParams:
     deadline: str | float | int | None = "auto"
     margin_s: float = 60.0
     save_estimate_s: float = 300.0
+    step_factor: float = 1.5
 
     def __post_init__(self):
         names = (self.signals,) if isinstance(self.signals, str) else tuple(self.signals or ())
@@ -83,6 +87,9 @@ class PreemptionParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"{name}={value!r}: must be a number of seconds >= 0")
+        factor = self.step_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor < math.inf:
+            raise ValueError(f"step_factor={factor!r}: must be a number >= 1 (it multiplies the longest step seen)")
 
 
 def params_of(algorithm) -> PreemptionParams:
@@ -113,19 +120,21 @@ def parse_deadline(value) -> str | float | None:
     if isinstance(value, bool):
         raise ValueError(f"deadline={value!r}: expected auto, none, a Unix time or an ISO 8601 time")
     if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"deadline={value!r}: a Unix time must be > 0 (none turns the deadline off)")
-        return float(value)
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        pass
-    try:
-        return dt.datetime.fromisoformat(str(value).strip()).timestamp()
-    except ValueError:
-        raise ValueError(
-            f"deadline={value!r}: expected auto, none, a Unix time or an ISO 8601 time (2026-12-02T18:00:00)"
-        ) from None
+        seconds = float(value)
+    else:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            try:
+                seconds = dt.datetime.fromisoformat(str(value).strip()).timestamp()
+            except ValueError:
+                raise ValueError(
+                    f"deadline={value!r}: expected auto, none, a Unix time or an ISO 8601 time (2026-12-02T18:00:00)"
+                ) from None
+    # 0 or "0" would stop the run at once (as would nan), where the user meant no deadline
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"deadline={value!r}: a Unix time must be > 0 (none turns the deadline off)")
+    return seconds
 
 
 def slurm_end_time(job_id: str, run=subprocess.run) -> float | None:
@@ -164,15 +173,19 @@ def resolve_deadline(params: PreemptionParams, env=os.environ, run=subprocess.ru
 class StopPolicy:
     """Decides after each step whether the next step and a save still fit before the deadline.
 
-    The step period is the wall time from one step's end to the next (validation and logging included), the first
-    one from its start; both measures keep their maximum, so one slow step or save is not forgotten.
+    A step is the wall time from one step's end to the next (validation and logging included; a periodic save in it
+    is not: the save is counted once, on its own), the first one from its start; both measures keep their maximum,
+    so one slow step or save is not forgotten. The longest step is multiplied by ``step_factor``: the next step can
+    be longer than any seen (dynamic sampling's extra generation rounds).
     """
 
     margin_s: float
     save_estimate_s: float
+    step_factor: float
     longest_step_s: float = 0.0
     longest_save_s: float | None = None
     _last_step_end: float | None = field(default=None, repr=False)
+    _saved_in_step_s: float = field(default=0.0, repr=False)
 
     def step_started(self, now: float) -> None:
         if self._last_step_end is None:
@@ -180,15 +193,17 @@ class StopPolicy:
 
     def step_ended(self, now: float) -> None:
         if self._last_step_end is not None:
-            self.longest_step_s = max(self.longest_step_s, now - self._last_step_end)
+            self.longest_step_s = max(self.longest_step_s, now - self._last_step_end - self._saved_in_step_s)
         self._last_step_end = now
+        self._saved_in_step_s = 0.0
 
     def saved(self, seconds: float) -> None:
         self.longest_save_s = max(self.longest_save_s or 0.0, seconds)
+        self._saved_in_step_s += seconds
 
     def needed_s(self) -> float:
         save = self.longest_save_s if self.longest_save_s is not None else self.save_estimate_s
-        return self.longest_step_s + save + self.margin_s
+        return self.step_factor * self.longest_step_s + save + self.margin_s
 
     def out_of_time(self, now: float, deadline: float | None) -> str | None:
         """A message saying why the run stops now, or None while another step fits."""
@@ -200,7 +215,8 @@ class StopPolicy:
             return None
         save = self.longest_save_s if self.longest_save_s is not None else self.save_estimate_s
         return (
-            f"{left:.0f} s left before the job's end, less than a step ({self.longest_step_s:.0f} s) + a save "
+            f"{left:.0f} s left before the job's end, less than a step ({self.longest_step_s:.0f} s × step_factor "
+            f"{self.step_factor:g}) + a save "
             f"({save:.0f} s{'' if self.longest_save_s is not None else ', save_estimate_s'}) + margin_s "
             f"({self.margin_s:.0f} s) = {needed:.0f} s"
         )
@@ -293,6 +309,29 @@ class DriverRelay:
 
 
 # ---------------------------------------------------------------------------------------------- the command line
+
+
+# The stage watchdog's channel to the driver (gtpo/trainer/watchdog.py), beside the stop requests'.
+def _stall_key(job_id: str) -> str:
+    return f"watchdog/job/{job_id}"
+
+
+def record_stall(message: str) -> None:
+    """Leave the expiry in Ray's key-value store under this Ray job's id: if the trainer process exits with
+    :data:`gtpo.trainer.watchdog.EXIT_CODE`, the driver's ``ray.get`` sees only a dead actor, and this tells it why."""
+    import ray
+
+    if not ray.is_initialized():  # not a Ray process (asking Ray for the job id would start or join a cluster)
+        return
+    try:
+        put_request(_stall_key(current_job_id()), message)
+    except Exception as err:  # noqa: BLE001 - the watchdog must still stop the workers and exit
+        print(f"gtpo watchdog: could not record the stall for the driver: {err!r}", file=sys.stderr, flush=True)
+
+
+def recorded_stall(job_id: str) -> str | None:
+    """The expiry :func:`record_stall` left for Ray job ``job_id``, or None (the driver, connected to the cluster)."""
+    return get_request(_stall_key(job_id), since=0.0)
 
 
 def main(argv: list[str] | None = None) -> int:

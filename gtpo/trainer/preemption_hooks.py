@@ -39,7 +39,11 @@ class TrainerStop:
         self, params: PreemptionParams, job_id: str | None = None, clock=time.time, requests=None, announce=None
     ):
         self.params = params
-        self.policy = StopPolicy(margin_s=float(params.margin_s), save_estimate_s=float(params.save_estimate_s))
+        self.policy = StopPolicy(
+            margin_s=float(params.margin_s),
+            save_estimate_s=float(params.save_estimate_s),
+            step_factor=float(params.step_factor),
+        )
         self._clock = clock
         self._started = clock()
         self._keys = (job_key(job_id if job_id is not None else current_job_id()), CLUSTER_KEY)

@@ -24,6 +24,11 @@ under separate_async, the standalone pool's servers and workers), so
 that the blocked ``ray.get`` returns; the trainer then raises :class:`StageTimeoutError` with that message (in the
 generation stage it raises from the polling loop itself). If the process is still there ``grace_s`` later, it
 exits with :data:`EXIT_CODE`, so no stall outlives its limit by more than ``grace_s``.
+
+The driver (``recipe/gtpo/main_gtpo.py``) exits with :data:`EXIT_CODE` too: Ray hands it the trainer's
+:class:`StageTimeoutError` (an instance of it, wrapped with the remote traceback), or, after the trainer process
+exited, only a dead actor; for that case the expiry is also left in Ray's key-value store under the job's id
+(:func:`gtpo.trainer.preemption.record_stall`, read back with :func:`gtpo.trainer.preemption.recorded_stall`).
 """
 
 from __future__ import annotations
@@ -250,10 +255,18 @@ def params_of(trainer) -> WatchdogParams:
 
 
 def watchdog_of(trainer) -> StageWatchdog:
-    """The trainer's one :class:`StageWatchdog`, created on first use; on expiry it stops the trainer's workers."""
+    """The trainer's one :class:`StageWatchdog`, created on first use; on expiry it records the stall for the driver
+    and stops the trainer's workers."""
     watchdog = trainer.__dict__.get("_gtpo_watchdog")
     if watchdog is None:
-        watchdog = StageWatchdog(on_expire=lambda message: stop_workers(trainer), grace_s=params_of(trainer).grace_s)
+
+        def on_expire(message: str) -> None:
+            from gtpo.trainer.preemption import record_stall
+
+            record_stall(message)
+            stop_workers(trainer)
+
+        watchdog = StageWatchdog(on_expire=on_expire, grace_s=params_of(trainer).grace_s)
         trainer.__dict__["_gtpo_watchdog"] = watchdog
     return watchdog
 

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import os
+import socket
 import sys
 
 import hydra
@@ -27,7 +28,9 @@ from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
 from gtpo.trainer.preemption import EXIT_CODE as PREEMPTED_EXIT
-from gtpo.trainer.preemption import DriverRelay, PreemptedError, params_of
+from gtpo.trainer.preemption import DriverRelay, PreemptedError, params_of, recorded_stall
+from gtpo.trainer.watchdog import EXIT_CODE as STALLED_EXIT
+from gtpo.trainer.watchdog import StageTimeoutError
 from gtpo.verl_plugin.config import merge_module_list
 
 PLUGIN_MODULE = "gtpo.verl_plugin.register"
@@ -39,6 +42,8 @@ CONFIG_ERROR_EXIT = 2
 LOG_DIR_VARS = ("VERL_FILE_LOGGER_ROOT", "VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_DIR")
 # The job's end for algorithm.preemption.deadline=auto, read by the trainer wherever the TaskRunner runs.
 DEADLINE_VARS = ("SLURM_JOB_ID", "SLURM_JOB_END_TIME")
+# Seconds the driver waits for the GCS port of the cluster Ray recorded last (a live one answers at once).
+RECORDED_CLUSTER_PROBE_S = 2.0
 
 logger = logging.getLogger(__name__)
 
@@ -79,16 +84,54 @@ class GTPOTaskRunner(TaskRunnerV1.__ray_actor_class__):
         return super().run(config)
 
 
+def skip_dead_recorded_cluster(config: DictConfig) -> str | None:
+    """``RAY_ADDRESS=local`` when nothing names a cluster and the one Ray recorded last does not answer.
+
+    ``ray.init()`` without an address joins the cluster recorded in ``<ray temp dir>/ray_current_cluster`` by the
+    last ``ray start`` on this node. One that died without ``ray stop`` (a kill -9, a reboot that kept /tmp) stays
+    recorded, and verl's ``ray.init`` then fails on its GCS (at once with ``ray_init.num_cpus`` set, naming num_cpus).
+    A recorded cluster whose GCS port accepts a connection is still joined. Returns the line printed, or None.
+    """
+    from ray._common.network_utils import parse_address
+    from ray._private.services import canonicalize_bootstrap_address
+
+    ray_init = config.ray_kwargs.get("ray_init") or {}
+    if os.environ.get("RAY_ADDRESS", "").strip() or ray_init.get("address") is not None:
+        return None
+    try:
+        recorded = canonicalize_bootstrap_address(None, ray_init.get("_temp_dir"))
+    except ValueError as err:  # a garbled record, which ray.init() refuses the same way
+        recorded = str(err)
+    else:
+        if recorded is None:
+            return None
+        host, port = parse_address(recorded)
+        try:
+            with socket.create_connection((host, int(port)), timeout=RECORDED_CLUSTER_PROBE_S):
+                return None
+        except OSError:
+            pass
+    os.environ["RAY_ADDRESS"] = "local"
+    line = (
+        f"gtpo: the Ray cluster recorded last on this node ({recorded}) does not answer: starting a new local Ray "
+        "(RAY_ADDRESS=local); set RAY_ADDRESS to join a running cluster"
+    )
+    print(line, file=sys.stderr, flush=True)
+    return line
+
+
 def prepare_config(config: DictConfig, dry_run: bool = False) -> None:
     """Everything that must pass before Ray starts: recipe knobs, verl's own validation, no CPU test backend on a
     GPU run, the plugin env and the log folders.
 
-    A real run (``dry_run=False``) also checks that this environment imports the checkpoint engine's transport
-    (cupy for ``nccl``), that a resume finds its checkpoint at this world size (where the driver sees the folder),
-    and logs the startup notes; the dry run prints those itself, on a machine that is usually not the cluster's
-    image.
+    A real run (``dry_run=False``) also starts a new local Ray instead of joining a dead recorded cluster
+    (:func:`skip_dead_recorded_cluster`), checks that a driver joining a running cluster carries its Ray token,
+    that this environment imports the checkpoint engine's transport (cupy for ``nccl``), that a resume finds its
+    checkpoint at this world size (where the driver sees the folder), and logs the startup notes; the dry run prints
+    those itself, on a machine that is usually not the cluster's image.
     """
     from gtpo.launch.async_checks import check_checkpoint_engine, startup_notes, verl_mode
+    from gtpo.launch.ray_auth import check_ray_auth
     from gtpo.launch.validation import validate_recipe_config
     from gtpo.trainer.checkpoint_world_size import check_world_size_before_launch
     from gtpo.trainer.checkpoints import layout_of
@@ -99,6 +142,8 @@ def prepare_config(config: DictConfig, dry_run: bool = False) -> None:
     validate_recipe_config(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     if not dry_run:
+        skip_dead_recorded_cluster(config)
+        check_ray_auth()
         check_checkpoint_engine(config)
         async_mode = verl_mode(str(config.trainer.v1.trainer_mode)) != "sync"
         check_world_size_before_launch(config.trainer, layout_of(config, need_critic(config), async_mode))
@@ -108,13 +153,22 @@ def prepare_config(config: DictConfig, dry_run: bool = False) -> None:
     forward_log_dirs(config)
 
 
+def _dry_run_requested() -> bool:
+    return os.environ.get("DRY_RUN", "0").lower() in ("1", "true", "yes")
+
+
 @hydra.main(config_path="config", config_name="gtpo_trainer", version_base=None)
-def main(config: DictConfig) -> None:
+def run_recipe(config: DictConfig) -> None:
+    """The composed config: checked (and, under DRY_RUN, resolved and printed by gtpo.launch.dry_run), then trained."""
     import gtpo.verl_plugin.register  # noqa: F401  (registers in the driver too: validation looks names up)
 
-    dry_run = os.environ.get("DRY_RUN", "0").lower() in ("1", "true", "yes")
+    dry_run = _dry_run_requested()
     try:
         prepare_config(config, dry_run=dry_run)
+        if dry_run:
+            from gtpo.launch.dry_run import run_dry
+
+            run_dry(config)
     except ValueError as err:
         # a bad value on the command line or in a preset: one line naming it, no traceback unless asked for
         if os.environ.get("GTPO_TRACEBACK", "0") == "1":
@@ -122,11 +176,32 @@ def main(config: DictConfig) -> None:
         print(f"gtpo: invalid configuration: {err}", file=sys.stderr)
         sys.exit(CONFIG_ERROR_EXIT)
     if dry_run:
-        from gtpo.launch.dry_run import run_dry
-
-        run_dry(config)
         return
     sys.exit(run_preemptible(config))
+
+
+def main() -> None:
+    """``python -m recipe.gtpo.main_gtpo [overrides]``: Hydra composes the config for :func:`run_recipe`.
+
+    A composition error (a key the config lacks, a preset that does not exist, an override that does not parse) is
+    one line naming it and the valid names, exit :data:`CONFIG_ERROR_EXIT` (GTPO_TRACEBACK=1: the traceback). A dry
+    run's Hydra folder goes to a temporary folder, so it leaves no ``outputs/<date>/<time>/`` in the checkout.
+    """
+    from gtpo.launch.dry_run import config_error_line, scratch_run_dir
+
+    # Unset, Hydra reports a composition error itself (a traceback ending in advice to add `+`, the wrong fix for a
+    # misspelt key); set, it re-raises it here. Errors after composition keep their full traceback, as under the
+    # launchers, which always set it.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        with scratch_run_dir(sys.argv) if _dry_run_requested() else contextlib.nullcontext():
+            run_recipe()
+    except Exception as err:
+        line = config_error_line(err)
+        if line is None or os.environ.get("GTPO_TRACEBACK", "0") == "1":
+            raise
+        print(f"gtpo: invalid configuration: {line}", file=sys.stderr)
+        sys.exit(CONFIG_ERROR_EXIT)
 
 
 @contextlib.contextmanager
@@ -150,16 +225,45 @@ def handlers_after_ray_init(relay: DriverRelay):
 
 
 def run_preemptible(config: DictConfig) -> int:
-    """verl's ``run_ppo`` with the stop signals relayed to the trainer; 0, or :data:`PREEMPTED_EXIT` after the
-    trainer saved and stopped."""
+    """verl's ``run_ppo`` with the stop signals relayed to the trainer; 0, :data:`PREEMPTED_EXIT` after the
+    trainer saved and stopped, or :data:`STALLED_EXIT` after the stage watchdog ended a stalled stage."""
     with handlers_after_ray_init(DriverRelay(params_of(config.algorithm))):
         try:
             run_ppo(config, task_runner_class=ray.remote(GTPOTaskRunner))
         except PreemptedError as err:
             # Ray hands back the trainer's exception wrapped with its remote traceback; the message is the news
             print(str(getattr(err, "cause", err)), file=sys.stderr, flush=True)
-            return PREEMPTED_EXIT
+            return _exiting(PREEMPTED_EXIT, "saved for a stop; trainer.resume_mode=auto continues")
+        except StageTimeoutError as err:
+            print(str(getattr(err, "cause", err)), file=sys.stderr, flush=True)
+            return _exiting(STALLED_EXIT, "a stage stalled: algorithm.watchdog")
+        except ray.exceptions.RayActorError:
+            # the watchdog ended the trainer's process itself (os._exit after grace_s): only its record says so
+            stall = _recorded_stall()
+            if stall is None:
+                raise
+            print(f"{stall}; the trainer process exited with status {STALLED_EXIT}", file=sys.stderr, flush=True)
+            return _exiting(STALLED_EXIT, "a stage stalled: algorithm.watchdog")
     return 0
+
+
+def _exiting(code: int, why: str) -> int:
+    """``code``, announced in the line ``python -m gtpo.launch.job_exit`` reads back after ``ray job stop`` (Ray
+    records no exit code for a stopped job)."""
+    from gtpo.launch.job_exit import exit_line
+
+    print(exit_line(code, why), file=sys.stderr, flush=True)
+    return code
+
+
+def _recorded_stall() -> str | None:
+    """The stage watchdog's record for this driver's Ray job, or None (also when the cluster cannot tell)."""
+    from gtpo.trainer.preemption import current_job_id
+
+    try:
+        return recorded_stall(current_job_id())
+    except Exception:  # noqa: BLE001 - the actor's own error is the one to show then
+        return None
 
 
 if __name__ == "__main__":

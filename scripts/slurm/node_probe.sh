@@ -2,11 +2,12 @@
 # One line about this node for scripts/slurm/ray_on_slurm.sbatch, run on the host (outside any container) by one
 # `srun` task per node before Ray starts:
 #
-#   probe <node> <driver version|none> <IPv4|none> <interface|none>
+#   probe <node> <driver version|none> <IPv4|none> <interface|none> <readable|unreadable|unchecked>
 #
 # The address is the first IPv4 of PROBE_INTERFACE when it is set (RAY_NETWORK_INTERFACE of the sbatch), else the
 # first non-loopback IPv4 of `hostname --ip-address` (a loopback one only when nothing else is there, so the caller
-# can reject it by name); the interface is the one that holds the address. The sbatch decides what is acceptable.
+# can reject it by name); the interface is the one that holds the address. The last field says whether this node
+# can read the job's Ray token file PROBE_TOKEN_PATH (never its content). The sbatch decides what is acceptable.
 set -uo pipefail
 
 node=${SLURMD_NODENAME:-$(hostname -s)}
@@ -40,4 +41,12 @@ else
         iface=$(interface_of_ipv4 "${addr}")
     fi
 fi
-echo "probe ${node} ${driver:-none} ${addr:-none} ${iface:-none}"
+# A node without the shared folder has no file there (or an empty one while its copy is not yet visible).
+token=unchecked
+if [[ -n "${PROBE_TOKEN_PATH:-}" ]]; then
+    token=unreadable
+    if [[ -f "${PROBE_TOKEN_PATH}" && -r "${PROBE_TOKEN_PATH}" && -s "${PROBE_TOKEN_PATH}" ]]; then
+        token=readable
+    fi
+fi
+echo "probe ${node} ${driver:-none} ${addr:-none} ${iface:-none} ${token}"

@@ -1,0 +1,99 @@
+"""Folders and files only this user can change, and the Ray token kept in one (stdlib only; imports nothing of gtpo).
+
+Several things the recipe loads are code, whatever their names say: numba unpickles its cache index before any
+freshness check, verl loads checkpoints with ``torch.load(weights_only=False)``, and a Ray node's session folder
+holds its sockets. A folder someone else owns, or one that group or others may write, lets them plant such a file.
+Every such folder goes through :func:`check_private_dir` (refuse) or :func:`private_dir` (create 0700, or refuse).
+
+Ray's token authentication (``RAY_AUTH_MODE=token``) reads the token from ``RAY_AUTH_TOKEN``, then from the file
+``RAY_AUTH_TOKEN_PATH`` names, then from ``~/.ray/auth_token``. The recipe always passes a *path* (a value in the
+environment would be printed by a ``set -x`` trace and shows in ``/proc/<pid>/environ`` of every worker's parent):
+:func:`write_ray_token` makes a fresh random token in a private folder, :func:`ray_token_env` gives the two
+variables every process of the cluster needs. Ray does not check the token file's permissions; this module does.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from pathlib import Path
+
+__all__ = ["check_private_dir", "private_dir", "ray_token_env", "write_ray_token", "TOKEN_BYTES"]
+
+# Ray's own generator makes 32 random bytes as hex too (ray/_private/authentication/authentication_token_generator.py).
+TOKEN_BYTES = 32
+
+
+def _why_not_private(st: os.stat_result) -> tuple[str, str] | None:
+    """(what is wrong, the fix), or None for a private folder."""
+    if st.st_uid != os.getuid():
+        return (
+            f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()}; mode {stat.S_IMODE(st.st_mode):04o})",
+            "use a folder of your own",
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"mode {stat.S_IMODE(st.st_mode):04o} lets group or others write into it (uid {st.st_uid})", "chmod go-w"
+    return None
+
+
+def check_private_dir(path: str | os.PathLike, what: str) -> Path:
+    """Refuse ``path`` unless it is a real directory (no symlink) owned by this user that neither group nor others
+    may write; ``what`` names it in the error (e.g. ``"CKPTS_DIR"``). Returns the path."""
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what}={path}: does not exist") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise PermissionError(f"{what}={path}: a symbolic link (to {os.readlink(path)}); give the real folder")
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"{what}={path}: not a directory")
+    why = _why_not_private(st)
+    if why:
+        problem, fix = why
+        fix = f"chmod go-w {path}" if fix == "chmod go-w" else fix
+        raise PermissionError(f"{what}={path}: {problem}; files planted there would be loaded as code: {fix}")
+    return path
+
+
+def private_dir(path: str | os.PathLike, what: str) -> Path:
+    """``path`` as a folder only this user can write: created with mode 0700 if missing (parents 0700 too when they
+    are created here), else checked by :func:`check_private_dir`."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        missing = []
+        parent = path
+        while not os.path.lexists(parent):
+            missing.append(parent)
+            parent = parent.parent
+        for folder in reversed(missing):
+            try:
+                os.mkdir(folder, 0o700)
+            except FileExistsError:
+                pass  # made at the same moment by another process: checked below like any existing folder
+    return check_private_dir(path, what)
+
+
+def write_ray_token(folder: str | os.PathLike, name: str = "token") -> Path:
+    """A fresh random token (``TOKEN_BYTES`` bytes, hex) in ``folder/name``: the folder private (0700, see
+    :func:`private_dir`), the file created 0600 and never over an existing one. Returns the file's path."""
+    folder = private_dir(folder, "the Ray token folder")
+    path = folder / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(TOKEN_BYTES))
+    return path
+
+
+def ray_token_env(token_path: str | os.PathLike) -> dict[str, str]:
+    """The variables every process of a token-authenticated Ray cluster needs (head, nodes, drivers, clients):
+    ``RAY_AUTH_MODE=token`` and the token's path, after checking the file is this user's and private."""
+    token_path = Path(token_path)
+    st = os.stat(token_path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(
+            f"RAY_AUTH_TOKEN_PATH={token_path}: owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}; "
+            "a token file must be this user's and readable by nobody else (chmod 600)"
+        )
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
