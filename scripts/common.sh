@@ -71,15 +71,8 @@ TEST_FILE=${TEST_FILE:-"[${RAY_DATA_HOME}/data/aime2024.parquet,${RAY_DATA_HOME}
 RAY_ADDRESS=${RAY_ADDRESS:-}
 WORKING_DIR=${WORKING_DIR:-"${GTPO_REPO_ROOT}"}
 RUNTIME_ENV=${RUNTIME_ENV:-"${GTPO_REPO_ROOT}/recipe/gtpo/runtime_env.yaml"}
-# python3 first where it has the recipe's packages: the sbatch mounts this checkout into the image, where a .venv made
-# on the login node (CPU torch) must not replace the image's python.
-if [[ -z "${PYTHON:-}" ]]; then
-    PYTHON=python3
-    if [[ -x "${GTPO_REPO_ROOT}/.venv/bin/python" ]] && ! python3 -c 'import importlib.util as u, sys
-sys.exit(not (u.find_spec("hydra") and u.find_spec("verl")))' 2>/dev/null; then
-        PYTHON="${GTPO_REPO_ROOT}/.venv/bin/python"
-    fi
-fi
+# shellcheck source=scripts/default_python.sh
+source "${GTPO_REPO_ROOT}/scripts/default_python.sh"
 ENTRYPOINT=${ENTRYPOINT:-recipe.gtpo.main_gtpo}
 SUBMIT_MODE=${SUBMIT_MODE:-auto}
 JOB_NO_WAIT=${JOB_NO_WAIT:-0}

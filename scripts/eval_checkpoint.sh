@@ -48,14 +48,8 @@ fi
 # Infrastructure
 EVAL_DIR=${EVAL_DIR:-"${checkpoint}/eval"}
 # As scripts/common.sh: python3 where it has the recipe's packages (the image), else this checkout's .venv.
-if [[ -z "${PYTHON:-}" ]]; then
-    PYTHON=python3
-    venv_python="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv/bin/python"
-    if [[ -x "${venv_python}" ]] && ! python3 -c 'import importlib.util as u, sys
-sys.exit(not (u.find_spec("hydra") and u.find_spec("verl")))' 2>/dev/null; then
-        PYTHON=${venv_python}
-    fi
-fi
+# shellcheck source=scripts/default_python.sh
+source "$(dirname "${BASH_SOURCE[0]}")/default_python.sh"
 EVAL_ARGS=${EVAL_ARGS:-"--sampling paper"}
 # Samples per problem: Table 1's Mean@32 / Pass@4 / Pass@32 (in-loop validation uses the launchers' val_n = 4).
 EVAL_N=${EVAL_N:-32}

@@ -69,16 +69,20 @@ def docs() -> list[dict]:
     return list(yaml.safe_load_all(MANIFEST.read_text()))
 
 
+def only(docs: list[dict], kind: str) -> dict:
+    """The one document of ``kind`` (a second one, or none, fails)."""
+    (doc,) = [d for d in docs if d["kind"] == kind]
+    return doc
+
+
 @pytest.fixture(scope="module")
 def job(docs) -> dict:
-    (rayjob,) = [d for d in docs if d["kind"] == "RayJob"]
-    return rayjob
+    return only(docs, "RayJob")
 
 
 @pytest.fixture(scope="module")
 def policy(docs) -> dict:
-    (network_policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
-    return network_policy
+    return only(docs, "NetworkPolicy")
 
 
 def errors(validator, doc) -> list[str]:
@@ -742,14 +746,12 @@ def docs_7b() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def job_7b(docs_7b) -> dict:
-    (rayjob,) = [d for d in docs_7b if d["kind"] == "RayJob"]
-    return rayjob
+    return only(docs_7b, "RayJob")
 
 
 @pytest.fixture(scope="module")
 def policy_7b(docs_7b) -> dict:
-    (network_policy,) = [d for d in docs_7b if d["kind"] == "NetworkPolicy"]
-    return network_policy
+    return only(docs_7b, "NetworkPolicy")
 
 
 def test_render_is_what_kubectl_builds(docs, docs_7b):
@@ -818,7 +820,7 @@ def test_7b_differs_from_32b_only_where_named(docs, docs_7b):
     assert [d["kind"] for d in docs_7b] == [d["kind"] for d in docs]
     for base, variant in zip(docs, docs_7b):
         assert _differences(base, variant) == CHANGED_7B[base["kind"]], base["kind"]
-    (job,), (job_7b,) = ([d for d in ds if d["kind"] == "RayJob"] for ds in (docs, docs_7b))
+    job, job_7b = only(docs, "RayJob"), only(docs_7b, "RayJob")
     env, env_7b = (yaml.safe_load(j["spec"]["runtimeEnvYAML"])["env_vars"] for j in (job, job_7b))
     assert set(env) == set(env_7b), set(env) ^ set(env_7b)
     assert {k for k in env if env[k] != env_7b[k]} == CHANGED_7B_ENV
@@ -868,8 +870,7 @@ def test_the_guides_smoke_and_evaluation_jobs(tmp_path, validator, docs_7b):
         (tmp_path / folder).mkdir(parents=True)
         (tmp_path / folder / "kustomization.yaml").write_text(text + "\n")
         docs = render(tmp_path / folder)
-        (policy_doc,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
-        (job,) = [d for d in docs if d["kind"] == "RayJob"]
+        policy_doc, job = only(docs, "NetworkPolicy"), only(docs, "RayJob")
         assert errors(validator, job) == [] and policy_doc == docs_7b[0]
         assert network_policy_problems(policy_doc, job) == []
         test_token_auth_reaches_head_workers_and_submitter(job)

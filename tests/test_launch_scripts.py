@@ -153,7 +153,7 @@ def test_shellcheck_clean():
     scripts = sorted((REPO / "scripts").glob("run_*_qwen2.5_*.sh"))
     assert len(scripts) == len(CASES) + 1 and SMOKE in scripts
     files = [*scripts, REPO / "scripts" / "common.sh", REPO / "scripts" / "slurm" / "ray_on_slurm.sbatch"]
-    files.append(REPO / "scripts" / "eval_checkpoint.sh")
+    files += [REPO / "scripts" / "eval_checkpoint.sh", REPO / "scripts" / "default_python.sh"]
     proc = subprocess.run(
         [shellcheck_binary(), "-x", *[str(p.relative_to(REPO)) for p in files]],
         cwd=REPO,
@@ -386,7 +386,7 @@ def test_the_default_python_is_the_checkouts_venv_where_python3_lacks_the_recipe
 ):
     root = tmp_path / "checkout"
     (root / "scripts").mkdir(parents=True)
-    for name in ("common.sh", "run_gtpo_qwen2.5_7b.sh"):
+    for name in ("common.sh", "default_python.sh", "run_gtpo_qwen2.5_7b.sh"):
         shutil.copy(REPO / "scripts" / name, root / "scripts" / name)
     shutil.copytree(REPO / "configs", root / "configs")
     bin_dir, log = fake_tools(tmp_path)
