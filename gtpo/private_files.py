@@ -15,14 +15,23 @@ variables every process of the cluster needs. Ray does not check the token file'
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import stat
 from pathlib import Path
 
-__all__ = ["check_private_dir", "private_dir", "ray_token_env", "write_ray_token", "TOKEN_BYTES"]
+__all__ = ["check_private_dir", "looks_secret", "private_dir", "ray_token_env", "write_ray_token", "TOKEN_BYTES"]
 
 # Ray's own generator makes 32 random bytes as hex too (ray/_private/authentication/authentication_token_generator.py).
 TOKEN_BYTES = 32
+# Names of environment variables that hold credentials, or paths to them (RAY_AUTH_TOKEN_PATH), in any case.
+_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+
+
+def looks_secret(name: str) -> bool:
+    """Whether the environment variable ``name`` looks like a credential (``WANDB_API_KEY``, ``HF_TOKEN``, ...): the
+    grader's workers never inherit one, and a job's runtime env warns about one."""
+    return _SECRET_NAME.search(name) is not None
 
 
 def _why_not_private(st: os.stat_result) -> tuple[str, str] | None:

@@ -131,10 +131,11 @@ gtpo_write_runtime_env() {
     fi
     "${PYTHON}" - "${RUNTIME_ENV}" "${out}" "${GTPO_PLUGIN_MODULE}" "${GTPO_LOG_VARS} ${ENV_PASSTHROUGH}" <<'PY'
 import os
-import re
 import sys
 
 import yaml
+
+from gtpo.private_files import looks_secret  # PYTHONPATH holds this checkout (gtpo_launch)
 
 src, dst, plugin, names = sys.argv[1:5]
 with open(src) as f:
@@ -145,7 +146,7 @@ env_vars["VERL_USE_EXTERNAL_MODULES"] = ",".join(dict.fromkeys(m for m in module
 for key in names.split():
     if key in os.environ:
         env_vars[key] = os.environ[key]
-        if re.search(r"TOKEN|KEY|SECRET|PASSWORD", key):
+        if looks_secret(key):
             print(f"[gtpo] warning: {key} is stored with the job and readable through the Ray dashboard; "
                   "prefer setting it where `ray start` runs", file=sys.stderr)
 env["env_vars"] = env_vars

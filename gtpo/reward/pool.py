@@ -37,7 +37,6 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
-import re
 import select
 import subprocess
 import sys
@@ -46,6 +45,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from gtpo.private_files import looks_secret
 from gtpo.reward._protocol import HEADER as _HEADER
 from gtpo.reward._protocol import encode, write_all
 
@@ -85,14 +85,10 @@ def _rss_bytes(pid: int) -> int | None:
         return None
 
 
-# What a grading worker never inherits: credentials, and paths to them (RAY_AUTH_TOKEN_PATH); see the module docstring.
-_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
-
-
 def worker_env(parent: dict[str, str], parent_pid: int) -> dict[str, str]:
     """A grading worker's environment: ``parent``'s without secret-looking names, this package first on
     ``PYTHONPATH``, the owner's pid, single-threaded BLAS (sympy needs no BLAS threads)."""
-    env = {k: v for k, v in parent.items() if not _SECRET_NAME.search(k)}
+    env = {k: v for k, v in parent.items() if not looks_secret(k)}  # credentials, and paths to them
     env["PYTHONPATH"] = _PKG_PARENT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["GTPO_GRADER_PARENT"] = str(parent_pid)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
