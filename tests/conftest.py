@@ -111,7 +111,7 @@ def shared_data() -> Path:
 def ray_cluster(tmp_path_factory):
     """The session's one Ray cluster: two simulated nodes (a head and one more raylet, one logical GPU each) shared
     by the end-to-end runs and the Ray-based tests."""
-    from tests.e2e_support import RayCluster
+    from tests.support.e2e import RayCluster
 
     # Ray's socket paths must stay within AF_UNIX's 107 bytes: a short folder of its own, not pytest's basetemp.
     root = Path(tempfile.mkdtemp(prefix="gtpo-ray-"))

@@ -16,8 +16,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.test_configs import compose
-from tests.test_launch_scripts import dry_run_env, resolved_config, script_path
+from tests.support.configs import compose
+from tests.support.launch import dry_run_env, resolved_config, script_path
+from tests.support.v1_trainers import MemoryTQ, compute_advantages, make_trainer, tq_batch
 
 MODES = {
     "gtpo_sync": ("sync", "verl.trainer.ppo.v1.trainer_sync", "PPOTrainerSync"),
@@ -33,22 +34,6 @@ def _base_class(registered: str) -> type:
 
     _, module, name = MODES[registered]
     return getattr(importlib.import_module(module), name)
-
-
-def make_trainer(registered: str, overrides: list[str]):
-    """An instance of the class registered as ``registered``, with its config set but no workers (as verl's
-    ``PPOTrainer.__init__`` sets the mode first)."""
-    from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
-
-    import gtpo.verl_plugin.register  # noqa: F401
-
-    cls = get_trainer_cls(registered)
-    trainer = cls.__new__(cls)
-    trainer.config = compose(overrides)
-    OmegaConf.resolve(trainer.config)
-    trainer.trainer_mode = trainer.config.trainer.v1.trainer_mode
-    trainer.global_steps = 3
-    return trainer
 
 
 def _preset(registered: str) -> list[str]:
@@ -99,10 +84,11 @@ def test_mixin_methods_win_and_the_mode_hooks_stay_verl_s(registered):
     for name in recipe:
         assert getattr(cls, name) is getattr(GTPOTrainerMixin, name), name
     # the mode's own hooks (weight sync, abort / resume of partial rollout, old-log-prob versioning) are verl's
-    for name in ("on_sample_end", "on_train_begin", "get_llm_client", "_compute_old_log_prob"):
+    for name in ("on_sample_end", "get_llm_client", "_compute_old_log_prob"):
         assert getattr(cls, name) is getattr(base, name), name
-    # the step boundaries go through the preemption check, then on to the mode's own hooks
-    for name in ("on_step_begin", "on_step_end", "_validate"):
+    # the step boundaries go through the preemption check, the first hooks attach the resumed metric history; each then
+    # goes on to the mode's own hook
+    for name in ("on_step_begin", "on_step_end", "_validate", "on_train_begin", "on_validate_begin"):
         assert getattr(cls, name) is getattr(GTPOTrainerMixin, name), name
         assert getattr(super(GTPOTrainerMixin, cls), name) is getattr(base, name), name
 
@@ -131,77 +117,13 @@ def test_staleness_is_logged_beside_the_estimator_metrics():
 # the advantage step on one batch, through an in-memory TransferQueue
 
 
-class MemoryTQ:
-    """``kv_batch_get`` / ``kv_batch_put`` over per-row fields; response fields come back jagged, as TQ's do."""
-
-    def __init__(self, rows: dict[str, dict]):
-        self.rows = rows
-
-    def kv_batch_get(self, keys, partition_id, select_fields):
-        from tensordict import NonTensorData, NonTensorStack, TensorDict
-
-        out = {}
-        for name in select_fields:
-            if name not in self.rows[keys[0]]:
-                continue  # fields nobody wrote (values, ref_log_prob, ...) are absent
-            values = [self.rows[k][name] for k in keys]
-            if name == "uid":
-                out[name] = NonTensorStack(*[NonTensorData(v) for v in values])
-            else:
-                out[name] = torch.nested.nested_tensor(values, layout=torch.jagged)
-        return TensorDict(out, batch_size=len(keys))
-
-    def kv_batch_put(self, keys, partition_id, fields):
-        from transfer_queue import KVBatchMeta
-
-        for name in fields.keys():
-            for key, value in zip(keys, fields[name].unbind(0), strict=True):
-                self.rows[key][name] = value
-        return KVBatchMeta(partition_id=partition_id, keys=list(keys), tags=[{}] * len(keys))
-
-
-def _batch(with_entropy: bool = True):
-    """Three prompt groups of four responses (mixed rewards, lengths 2..6) in TQ form; returns (rows, meta)."""
-    from transfer_queue import KVBatchMeta
-
-    gen = torch.Generator().manual_seed(7)
-    lengths = [6, 3, 5, 2, 4, 6, 6, 5, 3, 4, 2, 6]
-    rewards = [1.0, -1, 1, -1, -1, 1, -1, -1, 1, 1, -1, 1]
-    rows = {}
-    for i, (n, r) in enumerate(zip(lengths, rewards, strict=True)):
-        scores = torch.zeros(n)
-        scores[-1] = r
-        row = {
-            "uid": "abc"[i // 4],
-            "response_mask": torch.ones(n, dtype=torch.int64),
-            "rm_scores": scores,
-            "old_log_probs": -torch.rand(n, generator=gen),
-            "responses": torch.randint(0, 5, (n,), generator=gen),
-        }
-        if with_entropy:
-            row["entropy"] = torch.rand(n, generator=gen) * 3 + 0.1
-        rows[f"k{i}"] = row
-    return rows, KVBatchMeta(partition_id="train", keys=list(rows), tags=[{}] * len(rows))
-
-
-def _advantages(trainer, monkeypatch, rows, meta) -> tuple[list[torch.Tensor], dict]:
-    import transfer_queue
-
-    store = MemoryTQ({k: dict(v) for k, v in rows.items()})
-    monkeypatch.setattr(transfer_queue, "kv_batch_get", store.kv_batch_get)
-    monkeypatch.setattr(transfer_queue, "kv_batch_put", store.kv_batch_put)
-    metrics: dict = {}
-    trainer._compute_advantage(meta, metrics)
-    return [store.rows[k]["advantages"] for k in meta.keys], metrics
-
-
 @pytest.mark.parametrize("method", ["gtpo", "gtpo_traj"])
 def test_colocate_async_advantages_equal_sync_on_the_same_batch(method, monkeypatch):
-    rows, meta = _batch()
+    rows, meta = tq_batch()
     common = [f"method={method}", "algorithm.gtpo.conflict_mask=true", "algorithm.gtpo_traj.h_ini=1.0"]
-    sync_adv, sync_metrics = _advantages(make_trainer("gtpo_sync", common), monkeypatch, rows, meta)
+    sync_adv, sync_metrics = compute_advantages(make_trainer("gtpo_sync", common), monkeypatch, rows, meta)
     async_trainer = make_trainer("gtpo_colocate_async", ["trainer=colocate_async", *common])
-    async_adv, async_metrics = _advantages(async_trainer, monkeypatch, rows, meta)
+    async_adv, async_metrics = compute_advantages(async_trainer, monkeypatch, rows, meta)
     assert any(torch.count_nonzero(a) for a in sync_adv), "a batch with all-zero advantages would prove nothing"
     for a, b in zip(sync_adv, async_adv, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -210,7 +132,7 @@ def test_colocate_async_advantages_equal_sync_on_the_same_batch(method, monkeypa
     assert same(sync_metrics) == same(async_metrics) and any(k.startswith(f"{method}/") for k in async_metrics)
     # the entropy reached the estimator: other entropies give other advantages
     shifted = {k: dict(v, entropy=v["entropy"] * 2.0) for k, v in rows.items()}
-    other, _ = _advantages(async_trainer, monkeypatch, shifted, meta)
+    other, _ = compute_advantages(async_trainer, monkeypatch, shifted, meta)
     assert any(not torch.equal(a, b) for a, b in zip(other, async_adv, strict=True))
 
 
@@ -233,14 +155,14 @@ def test_verl_unmodified_async_trainer_drops_the_entropy(monkeypatch):
     trainer.config = compose(["method=gtpo", "trainer.v1.trainer_mode=colocate_async"])
     OmegaConf.resolve(trainer.config)
     trainer.trainer_mode = "colocate_async"
-    rows, meta = _batch()  # the entropy *is* in TransferQueue
+    rows, meta = tq_batch()  # the entropy *is* in TransferQueue
     with pytest.raises(ValueError, match=r"entropy=None"):
-        _advantages(trainer, monkeypatch, rows, meta)
+        compute_advantages(trainer, monkeypatch, rows, meta)
     assert len(seen) == 1 and "entropy" not in seen[0] and "responses" not in seen[0]
 
     seen.clear()
     recipe = make_trainer("gtpo_colocate_async", ["trainer=colocate_async", "method=gtpo"])
-    _advantages(recipe, monkeypatch, rows, meta)
+    compute_advantages(recipe, monkeypatch, rows, meta)
     assert len(seen) == 1 and seen[0]["entropy"] is not None and seen[0]["responses"] is not None
 
 
@@ -540,6 +462,6 @@ def test_separate_async_setup_survives_verl_logging_with_flush(monkeypatch, capl
         trainer._setup()
     assert "hybrid replicas disabled" in caplog.text
     # the logger is verl's own again afterwards, and verl's call on its own fails as in verl 0.9.1
-    assert "_log" not in vars(trainer_separate_async.logger)
+    assert type(trainer_separate_async.logger) is logging.Logger and "_log" not in vars(trainer_separate_async.logger)
     with pytest.raises(TypeError, match="flush"):
         verl_setup(trainer)

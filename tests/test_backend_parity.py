@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_configs import REPO_ROOT, compose
+from tests.support.configs import REPO_ROOT, compose
 
 # Preset keys (dotted prefixes) the CPU backend may leave at another value, and why. Everything else a preset sets
 # (remove padding, token-budget micro-batches, chunked entropy and its eager compile setting, activation

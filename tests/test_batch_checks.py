@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from gtpo.launch.batch_checks import check_micro_batches
-from tests.test_configs import compose
+from tests.support.configs import compose
 
 ARR = "actor_rollout_ref"
 # fixed micro-batches in every pass (the rollout's log-prob flag follows the actor's)
@@ -140,7 +140,7 @@ def test_a_critic_mini_batch_joins_the_padding_multiple():
 def test_a_token_budget_must_hold_verl_s_128_token_padding_row():
     """verl pads a short batch with 128-token rows (failed sessions, dynamic sampling): a budget below that stops in
     the workers the first time it happens, whatever the run's own lengths."""
-    from tests.test_configs import compose
+    from tests.support.configs import compose
 
     short = ["backend=cpu_tiny", "data.max_prompt_length=8", "data.max_response_length=4"]
     check_micro_batches(compose([*short, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=128"]))

@@ -12,7 +12,7 @@ upcasts: ``FSDPEngine.forward_step`` runs the model under ``torch.autocast(dtype
 each chunk with ``.float()`` and returns fp32 entropy. So the estimators see fp32 entropy of bf16-rounded logits of
 a bf16 forward, never bf16 entropy.
 
-What: a tiny Qwen2 built as ``tests/dp_support.py`` builds it, with its final RMSNorm weight scaled by
+What: a tiny Qwen2 built as ``tests/support/dp.py`` builds it, with its final RMSNorm weight scaled by
 :data:`LOGIT_SCALE` (the random model's next-token distributions are near uniform, ``H`` in [3.70, 3.75] nats, where
 entropy is flat in the logits and bf16 moves it by only 5e-4; scaled, the response tokens' entropies span 0.04 to
 2.5 nats, median 0.27, like a trained LM's on math, and bf16 moves them by up to 3.3 %). Two forwards over the
@@ -73,7 +73,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests import dp_support as S
+from tests.support import dp as S
 
 METHODS = ("gtpo", "grpo_s", "gtpo_traj")
 LOGIT_SCALE = 8.0  # final RMSNorm weight x 8: entropies of an LM's spread (see the module docstring)
@@ -154,11 +154,8 @@ def _advantages(run, method: str, entropy: torch.Tensor) -> tuple[torch.Tensor, 
     """The estimator through verl's registry, as ``test_dp_equivalence`` and the recipe's driver call it."""
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
-    from gtpo.verl_plugin.trajectory import reset_h_ini
-
     cfg = _config(method)
     metrics: dict = {}
-    reset_h_ini()  # gtpo_traj measures <H>_ini on its first call in a process
     adv, _ = get_adv_estimator_fn(method)(
         token_level_rewards=run["rewards"],
         response_mask=run["mask"],
@@ -168,7 +165,6 @@ def _advantages(run, method: str, entropy: torch.Tensor) -> tuple[torch.Tensor, 
         responses=run["responses"],
         metrics=metrics,
     )
-    reset_h_ini()
     return adv, metrics
 
 

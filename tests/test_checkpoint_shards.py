@@ -20,9 +20,10 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
+from gtpo.launch.driver_checks import check_world_size_before_launch
 from gtpo.trainer import checkpoint_state, checkpoint_world_size, checkpoints
 from gtpo.trainer.checkpoints import TRACKER_FILE, CheckpointLayout, prune_checkpoints, resolve_auto_resume
-from tests.test_resume_checkpoint import make_trainer, save, write_shards
+from tests.support.checkpoints import make_trainer, save, write_shards
 
 SYNC = CheckpointLayout()
 ASYNC = CheckpointLayout(async_mode=True)
@@ -294,7 +295,7 @@ def test_the_trainer_prunes_after_verls_save_and_clears_another_world_size_first
     monkeypatch.setattr(PPOTrainerSync, "_save_checkpoint", verl_save)
     trainer = make_trainer(root, max_actor_ckpt_to_keep=2)
     trainer.global_steps = 6
-    trainer.checkpoint_callback = checkpoint_state.StateAfterSave(CheckpointCallback())
+    trainer.checkpoint_callback = checkpoint_state.StateAfterSave(CheckpointCallback(), checkpoint_state.new_state())
     trainer._save_checkpoint()
     assert before["actor"] == []  # the world-size-2 shards were gone before verl wrote
     assert checkpoints.incomplete_reasons(str(stale), 6, SYNC) == []
@@ -312,19 +313,17 @@ def test_the_driver_refuses_before_ray_starts_where_it_sees_the_folder(root):
     save(root, 2, world_size=1)
     save(root, 4, world_size=2)
     with pytest.raises(RuntimeError, match=f"cannot resume from {root / 'global_step_4'} at world size 1 "):
-        checkpoint_world_size.check_world_size_before_launch(_trainer_cfg(root), SYNC)
-    assert checkpoint_world_size.check_world_size_before_launch(_trainer_cfg(root, n_gpus_per_node=2), SYNC) == str(
-        root / "global_step_4"
-    )
+        check_world_size_before_launch(_trainer_cfg(root), SYNC)
+    assert check_world_size_before_launch(_trainer_cfg(root, n_gpus_per_node=2), SYNC) == str(root / "global_step_4")
     # auto reads, never rewrites: a tracker naming an incomplete folder falls back to the newest complete one
     save(root, 6, upto=3, world_size=1)  # shards, data, tracker; no state file
     assert (root / TRACKER_FILE).read_text() == "6"
     with pytest.raises(RuntimeError, match="global_step_4 at world size 1"):
-        checkpoint_world_size.check_world_size_before_launch(_trainer_cfg(root), SYNC)
+        check_world_size_before_launch(_trainer_cfg(root), SYNC)
     assert (root / TRACKER_FILE).read_text() == "6"
     # resume_path checks the folder it names, whatever its completeness
     named = _trainer_cfg(root, resume_mode="resume_path", resume_from_path=str(root / "global_step_2"))
-    assert checkpoint_world_size.check_world_size_before_launch(named, SYNC) == str(root / "global_step_2")
+    assert check_world_size_before_launch(named, SYNC) == str(root / "global_step_2")
 
 
 NOBODY = 65534  # another user's uid (the tests run as root, which may chown)
@@ -356,7 +355,7 @@ def test_the_driver_refuses_to_resume_from_a_folder_others_could_plant_files_in(
     plant(root, step)
     expect = f"cannot resume: {what.format(root=root, step=step)}: {why}"
     with pytest.raises(RuntimeError, match=re.escape(expect)) as err:
-        checkpoint_world_size.check_world_size_before_launch(_trainer_cfg(root), SYNC)
+        check_world_size_before_launch(_trainer_cfg(root), SYNC)
     fixes = ("give the real folder", "chmod go-w", "use a folder of your own")
     assert "\n" not in str(err.value) and any(fix in str(err.value) for fix in fixes)
 
@@ -367,24 +366,24 @@ def test_an_evaluation_refuses_a_named_checkpoint_others_could_write(root):
     step = save(root, 2, world_size=1)
     named = _trainer_cfg(root, resume_mode="resume_path", resume_from_path=str(step))
     os.chmod(root, 0o777)
-    assert checkpoint_world_size.check_world_size_before_launch(named, SYNC) == str(step)
+    assert check_world_size_before_launch(named, SYNC) == str(step)
     os.chown(step / "data.pt", NOBODY, -1)  # files are not judged: only this user (or root) can put one there
-    assert checkpoint_world_size.check_world_size_before_launch(named, SYNC) == str(step)
+    assert check_world_size_before_launch(named, SYNC) == str(step)
     os.chown(step, NOBODY, -1)
     with pytest.raises(RuntimeError, match=re.escape(f"trainer.resume_from_path={step}: owned by uid {NOBODY}")):
-        checkpoint_world_size.check_world_size_before_launch(named, SYNC)
+        check_world_size_before_launch(named, SYNC)
 
 
 @pytest.mark.parametrize("mode", ["disable", "auto", "resume_path"])
 def test_nothing_to_check_when_there_is_no_resume_or_no_folder(root, mode):
     cfg = _trainer_cfg(root / "not_here", resume_mode=mode, resume_from_path=str(root / "missing"))
-    assert checkpoint_world_size.check_world_size_before_launch(cfg, ASYNC) is None
+    assert check_world_size_before_launch(cfg, ASYNC) is None
 
 
 def test_prepare_config_refuses_the_resume_before_ray_starts(root, monkeypatch):
     import gtpo.verl_plugin.register  # noqa: F401  (the estimators, as main() registers them before prepare_config)
     from recipe.gtpo.main_gtpo import prepare_config
-    from tests.test_configs import compose
+    from tests.support.configs import compose
 
     monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)  # prepare_config sets it; restored afterwards
 
@@ -400,7 +399,7 @@ def test_prepare_config_reads_an_async_run_checkpoints_as_its_trainer_does(root,
     resume would, and checks the complete one it would load instead (saved at this world size)."""
     import gtpo.verl_plugin.register  # noqa: F401  (the estimators, as main() registers them before prepare_config)
     from recipe.gtpo.main_gtpo import prepare_config
-    from tests.test_configs import compose
+    from tests.support.configs import compose
 
     monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
     save(root, 2, world_size=1, async_mode=True)

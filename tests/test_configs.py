@@ -5,13 +5,10 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = REPO_ROOT / "recipe" / "gtpo" / "config"
+from tests.support.configs import CONFIG_DIR, REPO_ROOT, compose
+
 PRESET_GROUPS = ("method", "model", "scale", "backend", "sampling")
 # Every group the defaults list picks from configs/ (trainer=separate_async alone does not validate: it needs a pool).
 ALL_GROUPS = (*PRESET_GROUPS, "trainer")
@@ -19,19 +16,6 @@ ALL_GROUPS = (*PRESET_GROUPS, "trainer")
 
 def _presets(group: str) -> list[str]:
     return sorted(p.stem for p in (REPO_ROOT / "configs" / group).glob("*.yaml"))
-
-
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    old_cwd = os.getcwd()
-    os.chdir(REPO_ROOT)  # the recipe's search path `file://configs` is relative to the working directory
-    try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            return hydra_compose(config_name="gtpo_trainer", overrides=overrides)
-    finally:
-        os.chdir(old_cwd)
 
 
 def test_recipe_config_composes_with_defaults():

@@ -244,7 +244,7 @@ def test_bound_generation_rounds_wraps_only_when_configured(monkeypatch):
 def test_gtpo_and_grpo_s_presets_stop_at_dapo_s_round_limit(monkeypatch, method):
     """Their dynamic sampling gets DAPO's bound: 10 generation rounds, then an error naming the limit."""
     from gtpo.trainer.dynamic_sampling import BoundedDapoReplayBuffer, bound_generation_rounds
-    from tests.test_configs import compose
+    from tests.support.configs import compose
 
     algorithm = compose([f"method={method}"]).algorithm
     buffer, rollout, _ = _buffer(monkeypatch, [])  # every group saturated: the batch never fills

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gtpo.cpu import demo
-from tests.e2e_support import run_recipe, tail
+from tests.support.e2e import run_recipe, tail
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

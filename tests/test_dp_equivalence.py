@@ -2,7 +2,7 @@
 
     .venv/bin/python -m pytest -q -n 0 tests/test_dp_equivalence.py
 
-How (``tests/dp_support.py``): the driver steps of verl's ``PPOTrainer._step_once`` run on the recipe's trainer class
+How (``tests/support/dp.py``): the driver steps of verl's ``PPOTrainer._step_once`` run on the recipe's trainer class
 (padding and balancing for the dp size, the old-log-prob pass, the advantages, the actor's ``extra_info``), then
 verl's ``ActorRolloutRefWorker.update_actor`` (FSDP2 engine, ``ppo_loss`` or the recipe's loss replacement) runs
 once in 1 process and once in 2 processes over gloo, each rank on its chunk of verl's dispatch order. Same rollout
@@ -43,7 +43,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests import dp_support as S
+from tests.support import dp as S
 
 EQUIVALENT = ("gtpo", "grpo_s", "gtpo_traj", "forking_batch")
 RECIPE_ESTIMATORS = ("gtpo", "grpo_s", "gtpo_traj")
@@ -107,8 +107,6 @@ def test_advantages_do_not_depend_on_dp_size_row_order_or_padding(models, method
     order; verl's padding row gets zeros."""
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
-    from gtpo.verl_plugin.trajectory import reset_h_ini
-
     old, _ = models
     cfg = S.compose_config(method, "unused")
     shuffled = list(range(15))
@@ -118,7 +116,6 @@ def test_advantages_do_not_depend_on_dp_size_row_order_or_padding(models, method
     # the direct call: the rollout rows, in rollout order, no padding, old-policy entropy from the same pass
     keys, _, _ = S.rollout_rows(S.build_tokenizer())
     rows = [batches[0].rows[k] for k in keys]
-    reset_h_ini()
     expected, _ = get_adv_estimator_fn(method)(
         token_level_rewards=_padded(rows, "rm_scores", S.MAX_RESPONSE),
         response_mask=_padded(rows, "response_mask", S.MAX_RESPONSE),
@@ -128,7 +125,6 @@ def test_advantages_do_not_depend_on_dp_size_row_order_or_padding(models, method
         responses=_padded(rows, "responses", S.MAX_RESPONSE),
         metrics={},
     )
-    reset_h_ini()
     assert expected.abs().sum() > 0
 
     orders = {tuple(b.keys) for b in batches}
@@ -200,7 +196,7 @@ def test_update_is_the_same_at_dp_1_and_2(runs, method):
 def test_forking_micro_batch_scope_differs_as_its_micro_batches_do(runs, models):
     """``scope=micro_batch``: each micro-batch selects its own top-rho tokens of the training policy's entropy, and
     ``pg_loss = sum_mb (n_valid(mb) / N) * J(mb)`` at both dp sizes, with ``J(mb)`` verl's clipped loss averaged over
-    that selection (:func:`tests.dp_support.forking_micro_batch_loss`). The micro-batches hold different rows at
+    that selection (:func:`tests.support.dp.forking_micro_batch_loss`). The micro-batches hold different rows at
     dp = 1 and dp = 2, so the losses differ, by what the formula predicts."""
     _, trained = models
     batches, results, _ = runs

@@ -128,3 +128,39 @@ def test_the_watchdog_of_a_trainer_actor_ends_the_driver_with_75(ray_session, dr
         assert "over its limit algorithm.watchdog.generation_s=0.2; the trainer process exited with status 75" in err
     finally:
         internal_kv._internal_kv_del(key, namespace=KV_NAMESPACE)
+
+
+def test_the_stop_handlers_are_installed_again_when_run_ppo_creates_the_runner(driver, monkeypatch):
+    """verl's ``run_ppo`` calls ``ray.init`` (which sets its own SIGTERM handler, exiting the driver at once) and
+    then creates the TaskRunner from ``task_runner_class``: from then on SIGTERM and SIGUSR1 are the relay's again."""
+    from recipe.gtpo import main_gtpo
+
+    seen = {}
+
+    class ActorClass:  # what ray.remote(GTPOTaskRunner) offers run_ppo: options(...) and remote()
+        def __init__(self, options=None):
+            self.given = options
+
+        def options(self, **kwargs):
+            return ActorClass(kwargs)
+
+        def remote(self):
+            seen["options"] = self.given
+            return "runner"
+
+    def run_ppo(config, task_runner_class):
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            seen[f"{sig.name} before ray.init"] = getattr(signal.getsignal(sig), "__self__", None)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as ray.init does
+        runner = task_runner_class.options(runtime_env={"nsight": {}}).remote()
+        seen["runner"] = runner
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            seen[sig.name] = getattr(signal.getsignal(sig), "__self__", None)
+
+    monkeypatch.setattr(main_gtpo.ray, "remote", lambda cls: ActorClass())
+    monkeypatch.setattr(main_gtpo, "run_ppo", run_ppo)
+    assert main_gtpo.run_preemptible(CONFIG) == 0
+    relay = seen["SIGTERM"]
+    assert isinstance(relay, main_gtpo.DriverRelay)
+    assert seen["SIGUSR1"] is relay and seen["SIGTERM before ray.init"] is relay
+    assert seen["runner"] == "runner" and seen["options"] == {"runtime_env": {"nsight": {}}}

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.checkpoints import complete_checkpoint
+
 REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(
@@ -240,7 +242,7 @@ def test_a_bad_knob_on_a_launcher_is_one_line_and_exit_2(tmp_path):
     ``GTPO_TRACEBACK=1``), before Ray starts."""
     import subprocess
 
-    from tests.test_launch_scripts import dry_run_env, script_path
+    from tests.support.launch import dry_run_env, script_path
 
     cmd = ["bash", str(script_path("gtpo", "7b")), "algorithm.gtpo.alpha2=abc"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=dry_run_env(tmp_path), capture_output=True, text=True, timeout=600)
@@ -361,20 +363,6 @@ def test_the_dry_run_entry_point_keeps_hydras_folder_out_of_the_working_director
     bare = ["main_gtpo.py"]
     with scratch_run_dir(bare) as tmp:
         assert bare == ["main_gtpo.py", f"hydra.run.dir={tmp}"]
-
-
-def complete_checkpoint(folder: Path, step: int, world_size: int = 8) -> Path:
-    """A checkpoint folder as the recipe's resume calls complete (gtpo/trainer/checkpoints.py): every rank's shards
-    in actor/, data.pt and gtpo_state.json of its step."""
-    from gtpo.trainer.checkpoint_state import save_state
-
-    (folder / "actor").mkdir(parents=True)
-    for kind in ("model", "optim", "extra_state"):
-        for rank in range(world_size):
-            (folder / "actor" / f"{kind}_world_size_{world_size}_rank_{rank}.pt").write_bytes(b"x")
-    (folder / "data.pt").write_bytes(b"x")
-    save_state(str(folder), step)
-    return folder
 
 
 def test_a_validation_only_run_needs_its_checkpoint_here_and_complete(compose, capsys, tmp_path):

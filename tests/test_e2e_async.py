@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e_support import run_recipe, tail
-from tests.test_e2e_trainer import assert_ran, base_overrides
+from tests.support.e2e import assert_ran, base_overrides, run_recipe, tail
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

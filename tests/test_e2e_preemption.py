@@ -23,8 +23,7 @@ import pytest
 
 from gtpo.trainer.checkpoints import TRACKER_FILE, CheckpointLayout, incomplete_reasons
 from gtpo.trainer.preemption import EXIT_CODE
-from tests.e2e_support import REPO_ROOT, WORLD_SIZE_2, RunningRecipe, read_metrics, shard_names, tail
-from tests.test_e2e_trainer import base_overrides
+from tests.support.e2e import REPO_ROOT, WORLD_SIZE_2, RunningRecipe, base_overrides, read_metrics, shard_names, tail
 
 # slow tier: the default tier keeps preemption under a real Slurm (tests/test_slurm_preemption.py: the time-limit
 # warning, exit 85, the requeue and the resume) and stays within its 25 minutes

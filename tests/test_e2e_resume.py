@@ -28,16 +28,16 @@ import torch
 
 from gtpo.metric_log import read_file_log
 from gtpo.trainer.checkpoints import TRACKER_FILE
-from tests.e2e_support import (
+from tests.support.e2e import (
     WORLD_SIZE_2,
     RunningRecipe,
+    base_overrides,
     process_ids,
     read_metrics,
     run_recipe,
     shard_names,
     tail,
 )
-from tests.test_e2e_trainer import base_overrides
 
 # slow tier: the default tier keeps a resume after a stop under a real Slurm's requeue (tests/test_slurm_preemption.py)
 # and after SIGTERM under separate_async (tests/test_e2e_separate_async.py), and stays within its 25 minutes

@@ -28,17 +28,17 @@ import pytest
 
 from gtpo.trainer.checkpoints import TRACKER_FILE, CheckpointLayout, incomplete_reasons
 from gtpo.trainer.preemption import EXIT_CODE as PREEMPTED_EXIT
-from tests.e2e_support import (
+from tests.support.e2e import (
     RunningRecipe,
     RunResult,
     actor_table,
+    base_overrides,
     placement,
     process_ids,
     read_metrics,
     run_recipe,
     tail,
 )
-from tests.test_e2e_trainer import base_overrides
 
 pytestmark = pytest.mark.e2e
 

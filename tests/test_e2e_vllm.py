@@ -28,33 +28,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e_support import REPO_ROOT, actor_table, placement, read_metrics, run_recipe, tail
-from tests.test_e2e_trainer import COIN_REWARD, base_overrides
-from tests.test_launch_scripts import dry_run_env, resolved_config
+from tests.support.e2e import (
+    actor_table,
+    base_overrides,
+    placement,
+    read_metrics,
+    run_recipe,
+    tail,
+)
+from tests.support.launch import LAUNCHER, cpu_args, launcher_env, resolved_config
 
 pytestmark = pytest.mark.e2e
 
-LAUNCHER = REPO_ROOT / "scripts" / "run_gtpo_qwen2.5_7b.sh"
 LAUNCHER_ARGS = ["trainer=colocate_async"]
-
-# What the CPU run sets beyond the backend preset: the demo's model (a 43-token vocabulary: a random model ends its
-# responses at varying lengths, and a step trains in seconds), a 48-token response and 4 steps (the warm-up batch
-# generated ahead, then trained on by the next step), and token budgets sized for a CPU.
-CPU_ARGS = [
-    "backend=cpu_tiny",
-    "trainer.total_training_steps=4",
-    "actor_rollout_ref.model.tokenizer_path=@TOKENIZER@",
-    "data.max_response_length=48",
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024",
-    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1024",
-    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=1024",
-    f"reward.custom_reward_function.path={COIN_REWARD}",
-    "reward.custom_reward_function.name=compute_score",
-    "algorithm.filter_groups.enable=false",
-    # a slice of scale=dapo's sequence parallelism: each sequence split over the two ranks (Ulysses 2, one data-parallel
-    # rank), through the CPU backend's Ulysses-aware SDPA
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-]
 
 # Config keys the CPU run may differ in from the launcher's, by prefix, each for a reason the CPU imposes.
 CPU_REPLACED = {
@@ -174,23 +160,9 @@ def demo_assets():
     return build_demo_assets(seed=0)
 
 
-def _launcher_env(tmp: Path, assets, extra: dict[str, str]) -> dict[str, str]:
-    env = dry_run_env(tmp)
-    env.update(
-        NNODES="1", NGPUS_PER_NODE="1", MODEL_PATH=str(assets.model_dir), TRAIN_FILE=str(assets.train_parquet),
-        TEST_FILE=str(assets.val_parquet), CKPTS_DIR=str(tmp / "ckpt"),
-    )  # fmt: skip
-    env.update(extra)
-    return env
-
-
-def _cpu_args(assets) -> list[str]:
-    return [a.replace("@TOKENIZER@", str(assets.tokenizer_dir)) for a in CPU_ARGS]
-
-
 def _dry_config(tmp: Path, assets, args: list[str], extra_env: dict[str, str] | None = None) -> dict:
     proc = subprocess.run(
-        ["bash", str(LAUNCHER), *args], cwd=tmp, env=_launcher_env(tmp, assets, extra_env or {}), capture_output=True,
+        ["bash", str(LAUNCHER), *args], cwd=tmp, env=launcher_env(tmp, assets, extra_env or {}), capture_output=True,
         text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -203,9 +175,9 @@ def test_launcher_rollout_settings_run_on_cpu_with_the_async_pause(ray_cluster, 
     launcher = _flatten(_dry_config(tmp_path, demo_assets, LAUNCHER_ARGS))
     # The launcher's vLLM settings, passed through after the backend preset (whose test sampling, n=4, gives way).
     vllm_as_set = [f"{k}={_hydra(launcher[k])}" for k in (f"actor_rollout_ref.rollout.{key}" for key in VLLM_AS_SET)]
-    cpu_args = [*LAUNCHER_ARGS, *_cpu_args(demo_assets), *vllm_as_set]
+    run_args = [*LAUNCHER_ARGS, *cpu_args(demo_assets), *vllm_as_set]
     # at the real run's two ranks: Ulysses 2 needs them
-    cpu_run = _flatten(_dry_config(tmp_path, demo_assets, cpu_args, {"NNODES": "2", "ALLOW_HOME_PATHS": "1"}))
+    cpu_run = _flatten(_dry_config(tmp_path, demo_assets, run_args, {"NNODES": "2", "ALLOW_HOME_PATHS": "1"}))
     differing = sorted(
         k for k in set(launcher) | set(cpu_run) if launcher.get(k, "<absent>") != cpu_run.get(k, "<absent>")
     )
@@ -225,15 +197,13 @@ def test_launcher_rollout_settings_run_on_cpu_with_the_async_pause(ray_cluster, 
     log_root = tmp_path / "ckpt" / "logs"
     metrics_path = log_root / str(cpu_run["trainer.project_name"]) / f"{cpu_run['trainer.experiment_name']}.jsonl"
     two_nodes = {"NNODES": "2", "NGPUS_PER_NODE": "1", "ALLOW_HOME_PATHS": "1"}
-    env = _launcher_env(
-        tmp_path, demo_assets, {"RAY_ADDRESS": ray_cluster.address, **ray_cluster.auth_env, **two_nodes}
-    )
+    env = launcher_env(tmp_path, demo_assets, {"RAY_ADDRESS": ray_cluster.address, **ray_cluster.auth_env, **two_nodes})
     env.pop("DRY_RUN")
     env.update({k: v for k, v in cpu_env(base=env).items()})
     env["VERL_LOGGING_LEVEL"] = "INFO"  # verl's server logs each abort with the number of requests it cut
     runtime_env = "+ray_kwargs.ray_init.runtime_env.env_vars"
     args = [
-        *cpu_args, "ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null",
+        *run_args, "ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null",
         "trainer.logger=[console,file]", f"{runtime_env}.VERL_LOGGING_LEVEL=INFO",
         f"hydra.run.dir={tmp_path / 'hydra'}",
     ]  # fmt: skip

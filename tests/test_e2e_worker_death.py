@@ -17,8 +17,7 @@ import time
 
 import pytest
 
-from tests.e2e_support import WORLD_SIZE_2, RunningRecipe, process_ids, read_metrics, run_recipe, tail
-from tests.test_e2e_trainer import base_overrides
+from tests.support.e2e import WORLD_SIZE_2, RunningRecipe, base_overrides, process_ids, read_metrics, run_recipe, tail
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

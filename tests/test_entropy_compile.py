@@ -23,7 +23,7 @@ import types
 import pytest
 import torch
 
-from tests.test_configs import compose
+from tests.support.configs import compose
 
 TOKEN_COUNTS = (37, 50, 64, 81, 100, 130, 200, 257, 300, 333, 400)  # a step's worth of micro-batch sizes
 VOCAB = 32

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tests.e2e_support import REPO_ROOT, run_recipe, tail
+from tests.support.e2e import REPO_ROOT, run_recipe, tail
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from gtpo.algorithms.token_selection import entropy_threshold, top_entropy_mask
+from tests.support.forking import actor_config, forking_params, micro_batch
 
 PAD_H = 100.0  # a huge entropy on padding: selecting padding would be visible
 
@@ -87,79 +88,19 @@ def test_no_gradient_through_mask():
 # ------------------------------------------------------------------------------------------- loss hook (verl)
 
 
-def _actor_config(mode="token-mean", loss_mode="vanilla"):
-    from verl.workers.config import FSDPActorConfig
-
-    return FSDPActorConfig(
-        strategy="fsdp",
-        rollout_n=2,
-        ppo_micro_batch_size_per_gpu=2,
-        ppo_mini_batch_size=2,
-        loss_agg_mode=mode,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        calculate_entropy=True,
-        policy_loss={"loss_mode": loss_mode},
-    )
-
-
-def _micro_batch(prompt_lens, resp_ents, advs, *, dp_size=1, batch_num_tokens=None, extra=None, old_ent=None):
-    """A worker-style micro-batch (jagged tensors) and model_output, log-probs at ratio 1."""
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
-
-    def nt(xs):
-        return torch.nested.as_nested_tensor(xs, layout=torch.jagged)
-
-    resp_lens = [len(e) for e in resp_ents]
-    data = TensorDict(
-        {
-            "prompts": nt([torch.ones(p, dtype=torch.long) for p in prompt_lens]),
-            "responses": nt([torch.ones(r, dtype=torch.long) for r in resp_lens]),
-            "response_mask": nt([torch.ones(r, dtype=torch.long) for r in resp_lens]),
-            "old_log_probs": nt([torch.zeros(r) for r in resp_lens]),
-            "advantages": nt([torch.tensor(a, dtype=torch.float32) for a in advs]),
-        },
-        batch_size=[len(prompt_lens)],
-    )
-    if old_ent is not None:
-        data["entropy"] = nt([torch.tensor(e, dtype=torch.float32) for e in old_ent])
-    total = sum(prompt_lens) + sum(resp_lens)
-    tu.assign_non_tensor(
-        data, dp_size=dp_size, batch_num_tokens=batch_num_tokens or sum(resp_lens), global_batch_size=len(prompt_lens)
-    )
-    if extra:
-        tu.assign_non_tensor(data, **extra)
-    # Flat (no-padding) model outputs; response token t of row i sits at seq_start + p_i - 1 + t.
-    ent_flat = torch.zeros(total)
-    start = 0
-    for p, e in zip(prompt_lens, resp_ents, strict=True):
-        ent_flat[start + p - 1 : start + p - 1 + len(e)] = torch.tensor(e)
-        start += p + len(e)
-    ent_leaf = ent_flat.clone().requires_grad_(True)
-    logp = torch.zeros(total, requires_grad=True)
-    return data, {"log_probs": logp, "entropy": ent_leaf * 1.0}, logp, ent_leaf
-
-
 def _loss(params, *args, **kwargs):
     from gtpo.verl_plugin.forking import ForkingPPOLoss
 
-    data, out, logp, ent_leaf = _micro_batch(*args, **kwargs)
-    loss, metrics = ForkingPPOLoss(_actor_config(), params)(out, data)
+    data, out, logp, ent_leaf = micro_batch(*args, **kwargs)
+    loss, metrics = ForkingPPOLoss(actor_config(), params)(out, data)
     loss.backward()
     return loss, metrics, logp.grad, ent_leaf.grad
-
-
-def _p(**kw):
-    from gtpo.verl_plugin.forking import ForkingParams
-
-    return ForkingParams(enable=True, **kw)
 
 
 def test_denominator_is_selected_count_and_gradient_only_on_selected():
     ents = [[0.1, 0.9, 0.3], [0.8, 0.2]]
     advs = [[1.0, 2.0, 3.0], [-4.0, 5.0]]
-    loss, metrics, grad, ent_grad = _loss(_p(rho=0.4), [2, 3], ents, advs)
+    loss, metrics, grad, ent_grad = _loss(forking_params(rho=0.4), [2, 3], ents, advs)
     # n = 5, k = 2 -> tokens with H 0.9 (A=2) and 0.8 (A=-4); vanilla loss at ratio 1 is -A.
     assert loss.item() == pytest.approx(-(2.0 - 4.0) / 2)
     # Gradient w.r.t. log-probs: -A / n_sel on the selected tokens only (prompt positions and others 0).
@@ -177,19 +118,21 @@ def test_micro_batches_and_dp_ranks_recombine_to_the_global_selected_mean():
     ents = [[0.1, 0.9, 0.3, 0.2, 0.95], [0.8, 0.05, 0.4, 0.5, 0.6]]
     advs = [[1.0, 2.0, 3.0, 4.0, 5.0], [-1.0, -2.0, -3.0, -4.0, -5.0]]
     # Whole batch in one micro-batch, rho 0.2 of 10 tokens -> 0.95 (A=5) and 0.9 (A=2).
-    full, *_ = _loss(_p(rho=0.2), [2, 2], ents, advs)
+    full, *_ = _loss(forking_params(rho=0.2), [2, 2], ents, advs)
     assert full.item() == pytest.approx(-(5.0 + 2.0) / 2)
     # Gradient accumulation: two micro-batches of one row, each selecting 1 of 5 (the same tokens here).
-    parts = [_loss(_p(rho=0.2), [2], [ents[i]], [advs[i]], batch_num_tokens=10)[0] for i in range(2)]
+    parts = [_loss(forking_params(rho=0.2), [2], [ents[i]], [advs[i]], batch_num_tokens=10)[0] for i in range(2)]
     # Row 1 selects its own top token (0.8, A=-1) instead: the paper's per-micro-batch quantile.
     assert sum(p.item() for p in parts) == pytest.approx(-(5.0 - 1.0) / 2)
     # DP = 2: each rank's loss is scaled by dp_size, DDP averages the gradients -> same total.
-    ranks = [_loss(_p(rho=0.2), [2], [ents[i]], [advs[i]], dp_size=2, batch_num_tokens=10)[0] for i in range(2)]
+    ranks = [
+        _loss(forking_params(rho=0.2), [2], [ents[i]], [advs[i]], dp_size=2, batch_num_tokens=10)[0] for i in range(2)
+    ]
     assert sum(r.item() for r in ranks) / 2 == pytest.approx(sum(p.item() for p in parts))
 
 
 def test_batch_scope_uses_driver_threshold_and_fraction():
-    from gtpo.verl_plugin.forking import FRACTION_KEY, THRESHOLD_KEY, batch_threshold_extra_info
+    from gtpo.algorithms.token_selection import FRACTION_KEY, THRESHOLD_KEY, batch_threshold_extra_info
 
     old = [[0.1, 0.9, 0.3], [0.8, 0.2]]
     padded = torch.tensor([[0.1, 0.9, 0.3], [0.8, 0.2, PAD_H]])
@@ -198,12 +141,17 @@ def test_batch_scope_uses_driver_threshold_and_fraction():
     # Training entropy differs from the old one: the batch scope selects on the old entropy.
     train_ents = [[0.9, 0.1, 0.1], [0.1, 0.1]]
     loss, metrics, grad, _ = _loss(
-        _p(rho=0.2, scope="batch"), [2, 3], train_ents, [[1.0, 2.0, 3.0], [4.0, 5.0]], extra=info, old_ent=old
+        forking_params(rho=0.2, scope="batch"),
+        [2, 3],
+        train_ents,
+        [[1.0, 2.0, 3.0], [4.0, 5.0]],
+        extra=info,
+        old_ent=old,
     )
     # Selected: the old-entropy 0.9 token (A=2); denominator rho_B * N = 0.2 * 5 = 1.
     assert loss.item() == pytest.approx(-2.0)
     with pytest.raises(ValueError, match="driver hook"):
-        _loss(_p(rho=0.2, scope="batch"), [2], [[0.1]], [[1.0]])
+        _loss(forking_params(rho=0.2, scope="batch"), [2], [[0.1]], [[1.0]])
 
 
 def test_no_backward_into_the_entropy_without_an_entropy_bonus():
@@ -218,19 +166,19 @@ def test_no_backward_into_the_entropy_without_an_entropy_bonus():
     from gtpo.verl_plugin.forking import ForkingPPOLoss
 
     args = ([2, 3], [[0.1, 0.9, 0.3], [0.8, 0.2]], [[1.0, 2.0, 3.0], [-4.0, 5.0]])
-    loss, metrics, grad, ent_grad = _loss(_p(rho=0.4), *args)
+    loss, metrics, grad, ent_grad = _loss(forking_params(rho=0.4), *args)
     assert ent_grad is None, "the entropy took part in the backward"
     assert "actor/entropy_loss" in metrics  # verl's entropy metric is still computed
 
     # negative control: verl's own loss on the same outputs backpropagates (zeros) into the entropy
-    data, out, logp, ent_leaf = _micro_batch(*args)
-    verl_loss, _ = ppo_loss(_actor_config(), out, data)
+    data, out, logp, ent_leaf = micro_batch(*args)
+    verl_loss, _ = ppo_loss(actor_config(), out, data)
     verl_loss.backward()
     assert ent_leaf.grad is not None and torch.all(ent_leaf.grad == 0)
 
-    bonus = dataclasses.replace(_actor_config(), entropy_coeff=0.01)
-    data, out, logp, ent_leaf = _micro_batch(*args)
-    bonus_loss, _ = ForkingPPOLoss(bonus, _p(rho=0.4))(out, data)
+    bonus = dataclasses.replace(actor_config(), entropy_coeff=0.01)
+    data, out, logp, ent_leaf = micro_batch(*args)
+    bonus_loss, _ = ForkingPPOLoss(bonus, forking_params(rho=0.4))(out, data)
     bonus_loss.backward()
     assert ent_leaf.grad is not None and torch.any(ent_leaf.grad != 0)
     torch.testing.assert_close(logp.grad, grad)  # the bonus does not touch the log-prob gradient
@@ -240,11 +188,11 @@ def test_errors_for_missing_entropy_and_wrong_agg_mode():
     from gtpo.verl_plugin.forking import ForkingParams, ForkingPPOLoss, load_params
 
     with pytest.raises(ValueError, match="token-mean"):
-        ForkingPPOLoss(_actor_config("seq-mean-token-mean"), _p())
-    data, out, *_ = _micro_batch([2], [[0.5, 0.6]], [[1.0, 1.0]])
+        ForkingPPOLoss(actor_config("seq-mean-token-mean"), forking_params())
+    data, out, *_ = micro_batch([2], [[0.5, 0.6]], [[1.0, 1.0]])
     out.pop("entropy")
     with pytest.raises(ValueError, match="calculate_entropy"):
-        ForkingPPOLoss(_actor_config(), _p())(out, data)
+        ForkingPPOLoss(actor_config(), forking_params())(out, data)
     with pytest.raises(ValueError, match=r"algorithm\.forking\.scope"):
         load_params({"forking": {"scope": "global"}})
     with pytest.raises(ValueError, match=r"algorithm\.forking\.rho"):

@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from gtpo.trainer.group_sizes import GroupParams, ShortGroupError, group_size_metrics
-from tests.test_async_trainers import _advantages, _batch, make_trainer
+from tests.support.v1_trainers import compute_advantages, make_trainer, tq_batch
 
 
 def test_metrics_count_the_groups_short_of_n():
@@ -49,24 +49,24 @@ def test_bad_knob_values_are_refused_with_the_key():
 
 @pytest.mark.parametrize("method", ["gtpo", "grpo_s", "gtpo_traj"])
 def test_the_trainer_logs_a_group_left_with_three_of_four(method, monkeypatch):
-    rows, meta = _batch()  # three groups of four
+    rows, meta = tq_batch()  # three groups of four
     del rows["k5"]  # group b lost one response to a failed session
     meta.keys.remove("k5")
     meta.tags.pop()
     overrides = [f"method={method}", "actor_rollout_ref.rollout.n=4", "algorithm.gtpo_traj.h_ini=1.0"]
-    _, metrics = _advantages(make_trainer("gtpo_sync", overrides), monkeypatch, rows, meta)
+    _, metrics = compute_advantages(make_trainer("gtpo_sync", overrides), monkeypatch, rows, meta)
     assert metrics[f"{method}/min_group_size"] == 3.0 and metrics[f"{method}/short_groups_total"] == 1.0
     assert metrics[f"{method}/estimator_rows"] == 11.0
 
     refusing = make_trainer("gtpo_sync", [*overrides, "algorithm.groups.refuse_short=true"])
     with pytest.raises(ShortGroupError, match=r"1 of 3 groups"):
-        _advantages(refusing, monkeypatch, rows, meta)
+        compute_advantages(refusing, monkeypatch, rows, meta)
 
 
 def test_whole_groups_log_no_short_group(monkeypatch):
-    rows, meta = _batch()
+    rows, meta = tq_batch()
     trainer = make_trainer("gtpo_sync", ["method=gtpo", "actor_rollout_ref.rollout.n=4"])
-    _, metrics = _advantages(trainer, monkeypatch, rows, meta)
+    _, metrics = compute_advantages(trainer, monkeypatch, rows, meta)
     assert metrics["gtpo/min_group_size"] == 4.0 and metrics["gtpo/short_groups_total"] == 0.0
 
 

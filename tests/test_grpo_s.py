@@ -13,28 +13,15 @@ import pytest
 import torch
 
 from gtpo.algorithms.entropy_shaping import grpo_s_advantages
-from gtpo.algorithms.group_ops import group_ids
 from gtpo.algorithms.grpo_s import grpo_s_sequence_rewards, sequence_entropy
 from gtpo.algorithms.losses import grpo_s_loss_matrix, sequence_ratio
 from gtpo.algorithms.shaping_params import GRPOSParams
+from tests.support.estimators import token_batch
 
 
 def _joint(**kwargs) -> GRPOSParams:
     """The signed-reward (joint) normalisation, the recipe's reading before paper A's §2.3 was read."""
     return GRPOSParams(**{"norm_mode": "joint", **kwargs})
-
-
-def _batch(lengths, rewards, groups, L=None, seed=0, token_entropy=None):
-    g = torch.Generator().manual_seed(seed)
-    L = L or max(max(lengths), 1)
-    b = len(lengths)
-    mask = torch.zeros(b, L)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = 1
-    ent = 0.1 + 3.0 * torch.rand(b, L, generator=g) if token_entropy is None else torch.full((b, L), token_entropy)
-    ent = torch.where(mask.bool(), ent, torch.full_like(ent, float("nan")))
-    gid, ng = group_ids(np.asarray(groups, dtype=object))
-    return ent, mask, torch.tensor(rewards, dtype=torch.float32), gid, ng
 
 
 def _random_groups(seed, n_groups=6, min_g=1, max_g=7, L=8, reward_kind="pm1", empty_p=0.1):
@@ -158,7 +145,7 @@ def test_sequence_entropy_is_masked_mean_and_ignores_padding():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a2_t1_conservation(seed):
     lengths, rewards, groups = _random_groups(seed, empty_p=0.0)
-    ent, mask, r, gid, ng = _batch(lengths, rewards, groups, seed=seed)
+    ent, mask, r, gid, ng = token_batch(lengths, rewards, groups, seed=seed)
     hbar = sequence_entropy(ent, mask)
     correct = r > 0
     n = torch.zeros(ng, dtype=torch.float64).index_add_(0, gid, correct.double())
@@ -184,7 +171,7 @@ def test_a2_t2_identical_to_verl_grpo(reward_kind, case, norm_mode):
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
     lengths, rewards, groups = _random_groups(3, min_g=2, reward_kind=reward_kind, empty_p=0.0)
-    ent, mask, r, gid, ng = _batch(lengths, rewards, groups, token_entropy=0.8 if case == "uniform" else None)
+    ent, mask, r, gid, ng = token_batch(lengths, rewards, groups, token_entropy=0.8 if case == "uniform" else None)
     p = GRPOSParams(beta2=0.0 if case == "beta2_zero" else 0.1, norm_mode=norm_mode)
     adv, _ = grpo_s_advantages(ent, mask, r, gid, ng, p)
     L = mask.shape[1]
@@ -208,7 +195,7 @@ def test_a2_t3_monotonicity():
 def test_a2_t3_sign_with_small_beta2(seed):
     # with beta2 = 0.1 the correct side stays above the group mean while n < 20 m (and vice versa): G <= 7 here
     lengths, rewards, groups = _random_groups(seed, min_g=2, empty_p=0.0)
-    ent, mask, r, gid, ng = _batch(lengths, rewards, groups, seed=seed)
+    ent, mask, r, gid, ng = token_batch(lengths, rewards, groups, seed=seed)
     adv, _ = grpo_s_advantages(ent, mask, r, gid, ng)
     a = adv[:, 0]
     correct = r > 0
@@ -233,7 +220,7 @@ def test_a2_t3_sign_can_flip_with_large_beta2():
 @pytest.mark.parametrize("norm_mode", ["joint", "zero_fill"])
 def test_vectorised_matches_loop_reference(seed, norm_mode):
     lengths, rewards, groups = _random_groups(200 + seed, reward_kind="01" if seed % 2 else "pm1")
-    ent, mask, r, gid, ng = _batch(lengths, rewards, groups, seed=seed)
+    ent, mask, r, gid, ng = token_batch(lengths, rewards, groups, seed=seed)
     std = "population" if seed % 3 == 0 else "unbiased"
     p = GRPOSParams(beta2=0.1 + 0.3 * seed, std=std, norm_mode=norm_mode)
     offset = -0.5 * torch.rand(len(r), generator=torch.Generator().manual_seed(seed)) if seed % 2 else None
@@ -250,24 +237,24 @@ def test_vectorised_matches_loop_reference(seed, norm_mode):
 
 
 def test_all_correct_group_entropy_rank_and_uniform_zero():
-    ent, mask, r, gid, ng = _batch([3, 4, 2], [1, 1, 1], ["a"] * 3, seed=1)
+    ent, mask, r, gid, ng = token_batch([3, 4, 2], [1, 1, 1], ["a"] * 3, seed=1)
     adv, diag = grpo_s_advantages(ent, mask, r, gid, ng)
     hbar = sequence_entropy(ent, mask)
     assert torch.equal(torch.argsort(adv[:, 0]), torch.argsort(hbar))
     assert diag["frac_groups_all_correct"] == 1.0
-    ent_u, mask_u, r_u, gid_u, ng_u = _batch([3, 4, 2], [1, 1, 1], ["a"] * 3, token_entropy=0.7)
+    ent_u, mask_u, r_u, gid_u, ng_u = token_batch([3, 4, 2], [1, 1, 1], ["a"] * 3, token_entropy=0.7)
     adv_u, _ = grpo_s_advantages(ent_u, mask_u, r_u, gid_u, ng_u)
     assert torch.count_nonzero(adv_u) == 0
 
 
 def test_single_response_group_is_zero():
-    ent, mask, r, gid, ng = _batch([3, 4, 2], [1, 1, -1], ["solo", "g", "g"])
+    ent, mask, r, gid, ng = token_batch([3, 4, 2], [1, 1, -1], ["solo", "g", "g"])
     adv, _ = grpo_s_advantages(ent, mask, r, gid, ng)
     assert torch.count_nonzero(adv[0]) == 0 and torch.count_nonzero(adv[1:]) > 0
 
 
 def test_empty_rows_take_no_part():
-    ent, mask, r, gid, ng = _batch([3, 4, 2, 3], [1, 1, -1, -1], ["g"] * 4, seed=2)
+    ent, mask, r, gid, ng = token_batch([3, 4, 2, 3], [1, 1, -1, -1], ["g"] * 4, seed=2)
     e2 = torch.cat([ent, torch.full((2, 4), float("nan"))])
     m2 = torch.cat([mask, torch.zeros(2, 4)])
     r2 = torch.cat([r, torch.tensor([1.0, -1.0])])
@@ -290,7 +277,7 @@ def test_zero_entropy_sequences():
 
 def test_padding_gets_nothing_and_diag_keys():
     lengths, rewards, groups = _random_groups(5)
-    ent, mask, r, gid, ng = _batch(lengths, rewards, groups)
+    ent, mask, r, gid, ng = token_batch(lengths, rewards, groups)
     adv, diag = grpo_s_advantages(ent, mask, r, gid, ng)
     assert torch.count_nonzero(adv[~mask.bool()]) == 0
     assert set(diag) == {
@@ -328,7 +315,7 @@ def test_params_validation(kwargs, field):
     [("nan", "NaN"), ("neg", "negative"), ("shape", "does not match"), ("reward", "finite"), ("gid", "gid")],
 )
 def test_bad_inputs_raise(which, match):
-    ent, mask, r, gid, ng = _batch([3, 2, 3], [1, 1, -1], ["g"] * 3)
+    ent, mask, r, gid, ng = token_batch([3, 2, 3], [1, 1, -1], ["g"] * 3)
     ent = torch.where(mask.bool(), ent, 0.0)
     if which == "nan":
         ent[1, 0] = float("nan")
@@ -468,7 +455,7 @@ def test_kernel_matches_definition(seed, norm_mode):
     from gtpo.algorithms.grpo_s import grpo_s_reference
 
     lengths, rewards, groups = _random_groups(300 + seed, reward_kind="01" if seed % 2 else "pm1")
-    ent, mask, r, gid, ng = _batch(lengths, rewards, groups, seed=seed)
+    ent, mask, r, gid, ng = token_batch(lengths, rewards, groups, seed=seed)
     if seed >= 4:  # holes inside responses, and an integer mask
         mask = (mask * (torch.rand(mask.shape, generator=torch.Generator().manual_seed(seed)) > 0.2)).long()
     p = GRPOSParams(beta1=0.8, beta2=0.1 + 0.3 * seed, std="population" if seed == 3 else "unbiased",
@@ -484,7 +471,7 @@ def test_kernel_matches_definition(seed, norm_mode):
 
 def test_slightly_negative_entropy_counts_as_zero_in_the_sequence_entropy():
     """An entropy within neg_entropy_tol below 0 (low-precision rounding) enters Hbar as 0, not as itself."""
-    ent, mask, r, gid, ng = _batch([3, 3, 2, 4], [1, 1, -1, -1], ["g"] * 4, seed=7)
+    ent, mask, r, gid, ng = token_batch([3, 3, 2, 4], [1, 1, -1, -1], ["g"] * 4, seed=7)
     ent_neg, ent_zero = ent.clone(), ent.clone()
     ent_neg[0, 1], ent_zero[0, 1] = -0.05, 0.0
     a_neg, d_neg = grpo_s_advantages(ent_neg, mask, r, gid, ng)
@@ -501,7 +488,7 @@ def test_kernel_refuses_a_half_and_clamps_a_slightly_negative_entropy(holes, cor
     from gtpo.algorithms.grpo_s import grpo_s_reference
 
     lengths, rewards, groups = _random_groups(41, reward_kind="pm1")
-    ent, mask, r, gid, ng = _batch(lengths, rewards, groups, seed=41)
+    ent, mask, r, gid, ng = token_batch(lengths, rewards, groups, seed=41)
     if holes:
         mask = mask * (torch.rand(mask.shape, generator=torch.Generator().manual_seed(5)) > 0.2)
     rows = [i for i in range(len(r)) if bool(r[i] > 0) == correct and int(mask[i].sum()) >= 3]
@@ -523,12 +510,12 @@ def test_kernel_refuses_a_half_and_clamps_a_slightly_negative_entropy(holes, cor
 
 
 def test_kernel_falls_back_to_the_definition(monkeypatch):
-    from gtpo.algorithms import kernel_support
+    from gtpo.algorithms import kernel_dispatch
     from gtpo.algorithms.grpo_s import grpo_s_reference
 
-    monkeypatch.setattr(kernel_support, "_MODULES", {"grpo_s_kernel": None})
+    monkeypatch.setattr(kernel_dispatch, "_OFF", {"grpo_s_kernel"})
     lengths, rewards, groups = _random_groups(9)
-    ent, mask, r, gid, ng = _batch(lengths, rewards, groups)
+    ent, mask, r, gid, ng = token_batch(lengths, rewards, groups)
     adv, _ = grpo_s_advantages(ent, mask, r, gid, ng)
     ref, _ = grpo_s_reference(ent, mask, r, gid, ng)
     assert torch.equal(adv, ref)

@@ -8,6 +8,7 @@ threads, the recycled large outputs, the fallback to the definition and the comp
 
 from __future__ import annotations
 
+import importlib.abc
 import json
 import subprocess
 import sys
@@ -16,38 +17,12 @@ import warnings
 import pytest
 import torch
 
-from gtpo.algorithms import kernel_support
+from gtpo.algorithms import kernel_dispatch, kernel_support
 from gtpo.algorithms.entropy_shaping import gtpo_token_advantages
 from gtpo.algorithms.gtpo_token import gtpo_shaped_rewards, gtpo_token_reference
 from gtpo.algorithms.shaping_params import GTPOParams
 from tests.conftest import REPO_ROOT
-
-
-def random_batch(seed: int, groups: int = 7, length: int = 23, holes: bool = False):
-    gen = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(1, 7, (groups,), generator=gen)
-    gid = torch.repeat_interleave(torch.arange(groups), sizes)
-    gid = gid[torch.randperm(gid.numel(), generator=gen)]  # rows in any order
-    rows = gid.numel()
-    lengths = torch.randint(0, length + 1, (rows,), generator=gen)
-    mask = (torch.arange(length)[None, :] < lengths[:, None]).float()
-    if holes:  # zeros inside responses (multi-turn tool tokens)
-        mask = mask * (torch.rand(rows, length, generator=gen) > 0.15)
-    entropy = torch.rand(rows, length, generator=gen) * 4 + 0.05
-    entropy = torch.where(mask.bool(), entropy, torch.full_like(entropy, float("nan")))  # padding is never read
-    rewards = torch.where(torch.rand(rows, generator=gen) < 0.5, 1.0, -1.0)
-    responses = torch.randint(0, 3, (rows, length), generator=gen)
-    offset = -0.5 * torch.rand(rows, generator=gen)  # GROP-like: bases that vary inside each polarity
-    return entropy, mask, rewards, gid, groups, responses, offset
-
-
-def assert_same(kernel, definition, diag_keys=None):
-    (adv, diag), (ref, ref_diag) = kernel, definition
-    torch.testing.assert_close(adv, ref, rtol=1e-5, atol=1e-6)
-    diag, ref_diag = ({k: v for k, v in d.items() if k != "kernel_compile_s"} for d in (diag, ref_diag))
-    assert set(diag) == set(ref_diag)
-    for key in diag_keys or ref_diag:
-        assert diag[key] == pytest.approx(ref_diag[key], rel=1e-5, abs=1e-7), key
+from tests.support.estimators import assert_same, random_batch
 
 
 @pytest.mark.parametrize("norm_mode", ["zero_fill", "split", "joint"])
@@ -162,23 +137,31 @@ def test_joint_zero_variance_rule_uses_the_whole_set():
 
 
 def _fresh_kernel_state(monkeypatch):
-    monkeypatch.setattr(kernel_support, "_MODULES", {})
+    monkeypatch.setattr(kernel_dispatch, "_OFF", set())
     monkeypatch.setattr(kernel_support, "_WARNED", set())
+
+
+class _NoNumba(importlib.abc.MetaPathFinder):
+    """Finds every kernel module as a module whose ``import numba`` fails."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("gtpo.algorithms.") and name.endswith("_kernel"):
+            raise ModuleNotFoundError("No module named 'numba'", name="numba")
+        return None
 
 
 def test_falls_back_to_the_definition_when_numba_is_missing(monkeypatch):
     _fresh_kernel_state(monkeypatch)
-    real_import = kernel_support.importlib.import_module
+    import gtpo.algorithms
 
-    def no_numba(name):
-        if name.endswith("_kernel"):
-            raise ImportError("No module named 'numba'")
-        return real_import(name)
-
-    monkeypatch.setattr(kernel_support.importlib, "import_module", no_numba)
+    for name in [m for m in sys.modules if m.startswith("gtpo.algorithms.") and m.endswith("_kernel")]:
+        monkeypatch.delitem(sys.modules, name)  # imported afresh, through the finder below
+        monkeypatch.delattr(gtpo.algorithms, name.rsplit(".", 1)[1], raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_NoNumba(), *sys.meta_path])
     entropy, mask, rewards, gid, groups, responses, offset = random_batch(0)
     with pytest.warns(RuntimeWarning, match="gtpo_token_kernel: compiled kernel unavailable.*numba"):
         adv, diag = gtpo_token_advantages(entropy, mask, rewards, gid, groups, None, offset)
+    assert not kernel_dispatch.kernel_on("gtpo_token_kernel")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process
         again, _ = gtpo_token_advantages(entropy, mask, rewards, gid, groups, None, offset)
@@ -193,18 +176,36 @@ def test_falls_back_to_the_definition_when_numba_is_missing(monkeypatch):
 
 def test_falls_back_to_the_definition_when_the_kernel_fails_to_compile(monkeypatch):
     _fresh_kernel_state(monkeypatch)
-    module = kernel_support.load_kernel("gtpo_token_kernel")
+    from numba.core.errors import NumbaError
+
+    from gtpo.algorithms import gtpo_token_kernel
 
     def broken(*args, **kwargs):
-        raise module.CompileError("no LLVM target")
+        raise NumbaError("no LLVM target")
 
-    monkeypatch.setattr(module, "gtpo_token_kernel", broken)
+    monkeypatch.setattr(gtpo_token_kernel, "gtpo_token_kernel", broken)
     entropy, mask, rewards, gid, groups, _, offset = random_batch(1)
     with pytest.warns(RuntimeWarning, match="gtpo_token_kernel: compiled kernel failed"):
         adv, _ = gtpo_token_advantages(entropy, mask, rewards, gid, groups, None, offset)
     ref, _ = gtpo_token_reference(entropy, mask, rewards, gid, groups, None, offset)
     assert torch.equal(adv, ref)
-    assert kernel_support.load_kernel("gtpo_token_kernel") is None  # off for the rest of the process
+    assert not kernel_dispatch.kernel_on("gtpo_token_kernel")  # off for the rest of the process
+    assert kernel_dispatch.kernel_on("grpo_s_kernel")
+
+
+def test_an_error_of_the_kernel_other_than_numba_s_is_raised(monkeypatch):
+    """Only numba's own errors switch a kernel off: a bug in the kernel's Python side is not hidden."""
+    _fresh_kernel_state(monkeypatch)
+    from gtpo.algorithms import gtpo_token_kernel
+
+    def buggy(*args, **kwargs):
+        raise IndexError("index 7 is out of bounds")
+
+    monkeypatch.setattr(gtpo_token_kernel, "gtpo_token_kernel", buggy)
+    entropy, mask, rewards, gid, groups, _, offset = random_batch(1)
+    with pytest.raises(IndexError, match="out of bounds"):
+        gtpo_token_advantages(entropy, mask, rewards, gid, groups, None, offset)
+    assert kernel_dispatch.kernel_on("gtpo_token_kernel")
 
 
 def test_bad_values_raise_the_definitions_messages():
@@ -301,7 +302,7 @@ def test_registering_the_plugin_imports_no_kernel():
     kernel, on its first call."""
     probe = (
         "import sys, gtpo.verl_plugin.register; "
-        "print([m for m in sys.modules if m.startswith('gtpo.') and m.endswith('_kernel')])"
+        "print([m for m in sys.modules if m == 'numba' or m.startswith('gtpo.') and m.endswith(('kernel', 'passes'))])"
     )
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from gtpo.algorithms.entropy_shaping import gtpo_token_advantages
-from gtpo.algorithms.group_ops import group_ids
 from gtpo.algorithms.gtpo_token import active_counts, entropy_shares, gtpo_shaped_rewards
 from gtpo.algorithms.shaping_params import GTPOParams
+from tests.support.estimators import gtpo_loop_reference, random_token_batch, token_batch
 
 # ---------------------------------------------------------------------------------------------------------------------
 # helpers
@@ -29,96 +29,6 @@ AS_TYPESET_SPLIT = {"norm_mode": "split", "norm_scope": "group", "weight_scope":
 
 def _typeset(**kwargs) -> GTPOParams:
     return GTPOParams(**{**AS_TYPESET_SPLIT, **kwargs})
-
-
-def _batch(lengths, rewards, groups, L=None, seed=0, h_lo=0.2, h_hi=3.0):
-    """Right-padded batch: entropy U[h_lo, h_hi] on valid tokens, garbage (NaN) on padding."""
-    g = torch.Generator().manual_seed(seed)
-    L = L or max(max(lengths), 1)
-    b = len(lengths)
-    mask = torch.zeros(b, L)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = 1
-    ent = h_lo + (h_hi - h_lo) * torch.rand(b, L, generator=g)
-    ent = torch.where(mask.bool(), ent, torch.full_like(ent, float("nan")))
-    gid, ng = group_ids(np.asarray(groups, dtype=object))
-    return ent, mask, torch.tensor(rewards, dtype=torch.float32), gid, ng
-
-
-def _random_batch(seed, n_groups=5, max_g=6, L=9, reward_kind="pm1", allow_empty=True, allow_single=True):
-    rng = random.Random(seed)
-    lengths, rewards, groups = [], [], []
-    for k in range(n_groups):
-        size = rng.randint(1 if allow_single else 2, max_g)
-        for _ in range(size):
-            lo = 0 if (allow_empty and rng.random() < 0.1) else 1
-            lengths.append(rng.randint(lo, L) if lo == 0 else rng.randint(1, L))
-            ok = rng.random() < 0.5
-            rewards.append((1.0 if ok else -1.0) if reward_kind == "pm1" else (1.0 if ok else 0.0))
-            groups.append(f"uid-{k}")
-    order = list(range(len(lengths)))
-    rng.shuffle(order)
-    lengths = [lengths[i] for i in order]
-    rewards = [rewards[i] for i in order]
-    groups = [groups[i] for i in order]
-    return _batch(lengths, rewards, groups, L=L, seed=seed)
-
-
-def _loop_reference(ent, mask, rewards, groups, p: GTPOParams, offset=None):
-    """Obviously-correct GTPO: Python loops over groups, positions, sets and tokens."""
-    B, L = mask.shape
-    H = [[float(ent[b, t]) if mask[b, t] else 0.0 for t in range(L)] for b in range(B)]
-    H = [[max(x, 0.0) for x in row] for row in H]
-    M = [[bool(mask[b, t]) for t in range(L)] for b in range(B)]
-    r = [float(x) for x in rewards]
-    correct = [x > p.reward_threshold for x in r]
-    base = []
-    for b in range(B):
-        v = r[b] if correct[b] else (r[b] if p.negative_base == "reward" else -1.0)
-        base.append(v + (float(offset[b]) if offset is not None else 0.0))
-    labels = [int(x) for x in groups]
-    shaped = [[0.0] * L for _ in range(B)]
-    weight_scopes = sorted(set(labels)) if p.weight_scope == "group" else [None]
-    for g in weight_scopes:
-        rows = [b for b in range(B) if g is None or labels[b] == g]
-        for t in range(L):
-            P = [b for b in rows if correct[b] and M[b][t]]
-            N = [b for b in rows if not correct[b] and M[b][t]]
-            sh = sum(H[b][t] for b in P)
-            for b in P:
-                shaped[b][t] = p.alpha1 * base[b] + p.alpha2 * H[b][t] / (sh + p.eps) * len(P)
-            si = sum(1.0 / (H[b][t] + p.eps) for b in N)
-            for b in N:
-                shaped[b][t] = p.alpha1 * base[b] - p.alpha2 * (1.0 / (H[b][t] + p.eps)) / (si + p.eps) * len(N)
-    # whitening sets
-    # whitening sets: (tokens whose values enter the statistics, value of each, tokens that take the result)
-    sets = []
-    scopes = sorted(set(labels)) if p.norm_scope == "group" else [None]
-    for g in scopes:
-        in_scope = [b for b in range(B) if g is None or labels[b] == g]
-        toks = [(b, t) for b in in_scope for t in range(L) if M[b][t]]
-        pos = [(b, t) for b, t in toks if correct[b]]
-        neg = [(b, t) for b, t in toks if not correct[b]]
-        if p.norm_mode == "split":
-            sets += [(pos, [shaped[b][t] for b, t in pos], pos), (neg, [shaped[b][t] for b, t in neg], neg)]
-        elif p.norm_mode == "zero_fill":
-            # Eq. 3 / 5: r~+ is 0 on incorrect tokens and r~- on correct ones; each field over all tokens
-            sets.append((toks, [shaped[b][t] if correct[b] else 0.0 for b, t in toks], pos))
-            sets.append((toks, [0.0 if correct[b] else shaped[b][t] for b, t in toks], neg))
-        else:
-            sets.append((toks, [shaped[b][t] for b, t in toks], toks))
-    adv = [[0.0] * L for _ in range(B)]
-    for _members, vals, takers in sets:
-        if len(vals) <= 1:
-            continue
-        mu = sum(vals) / len(vals)
-        denom = len(vals) - 1 if p.std == "unbiased" else len(vals)
-        sd = math.sqrt(sum((v - mu) ** 2 for v in vals) / denom)
-        if sd <= p.zero_var_rtol * sum(abs(v) for v in vals) / len(vals):
-            continue
-        for b, t in takers:
-            adv[b][t] = (shaped[b][t] - mu) / (sd + p.eps)
-    return torch.tensor(shaped, dtype=torch.float64), torch.tensor(adv, dtype=torch.float64)
 
 
 def _ppo_token_mean_loss(logp, old_logp, adv, mask, lo=0.2, hi=0.28):
@@ -168,7 +78,7 @@ def test_worked_example_split_advantages_by_hand():
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a1_t1_conservation_with_alpha_sum_one(seed):
-    ent, mask, r, gid, ng = _random_batch(seed, allow_empty=True)
+    ent, mask, r, gid, ng = random_token_batch(seed, allow_empty=True)
     p = _typeset(alpha1=0.9, alpha2=0.1)
     shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, p)
     correct = r > 0
@@ -196,7 +106,7 @@ def test_a1_t1_negative_control_alpha_sum_not_one():
 
 
 def test_a1_t1_general_form_with_non_binary_rewards_and_offset():
-    ent, mask, _, gid, ng = _batch([4, 3, 2, 4], [1, 1, -1, -1], ["a"] * 4, seed=3)
+    ent, mask, _, gid, ng = token_batch([4, 3, 2, 4], [1, 1, -1, -1], ["a"] * 4, seed=3)
     r = torch.tensor([1.0, 0.7, -1.0, -1.0])
     offset = torch.tensor([-0.2, 0.0, -0.3, 0.0])
     p = _typeset(alpha1=1.0, alpha2=0.1)
@@ -217,7 +127,7 @@ def test_a1_t1_general_form_with_non_binary_rewards_and_offset():
 
 
 def test_a1_t2_uniform_entropy_shaped_rewards_constant_and_split_zero():
-    ent, mask, r, gid, ng = _batch([5, 3, 4, 2, 5], [1, 1, -1, -1, 1], list("aabbb"))
+    ent, mask, r, gid, ng = token_batch([5, 3, 4, 2, 5], [1, 1, -1, -1, 1], list("aabbb"))
     ent = torch.where(mask.bool(), torch.full_like(ent, 1.7), ent)
     p = _typeset()
     shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, p)
@@ -230,7 +140,7 @@ def test_a1_t2_uniform_entropy_shaped_rewards_constant_and_split_zero():
 
 
 def test_a1_t2_alpha2_zero_split_is_zero():
-    ent, mask, r, gid, ng = _random_batch(4)
+    ent, mask, r, gid, ng = random_token_batch(4)
     shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, _typeset(alpha2=0.0))
     m = mask.bool()
     assert torch.equal(shaped[m], torch.where(r > 0, 1.0, -1.0).double()[:, None].expand_as(shaped)[m])
@@ -256,7 +166,7 @@ def test_a1_t2_joint_equal_lengths_matches_verl_grpo(alpha2, reward_kind):
     order = list(range(len(lengths)))
     rng.shuffle(order)
     lengths, rewards, groups = ([x[i] for i in order] for x in (lengths, rewards, groups))
-    ent, mask, r, gid, ng = _batch(lengths, rewards, groups, L=6)
+    ent, mask, r, gid, ng = token_batch(lengths, rewards, groups, L=6)
     ent = torch.where(mask.bool(), torch.full_like(ent, 0.9), ent)
     p = _typeset(alpha2=alpha2, norm_mode="joint", std="population")
     adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, p)
@@ -269,7 +179,7 @@ def test_a1_t2_joint_equal_lengths_matches_verl_grpo(alpha2, reward_kind):
 
 
 def test_a1_t2_joint_variable_lengths_is_token_whitening_of_constants():
-    ent, mask, r, gid, ng = _batch([5, 2, 4, 1, 3], [1, -1, -1, 1, 1], ["x"] * 5)
+    ent, mask, r, gid, ng = token_batch([5, 2, 4, 1, 3], [1, -1, -1, 1, 1], ["x"] * 5)
     ent = torch.where(mask.bool(), torch.full_like(ent, 2.0), ent)
     adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset(norm_mode="joint"))
     m = mask.bool()
@@ -286,7 +196,7 @@ def test_a1_t2_joint_variable_lengths_is_token_whitening_of_constants():
 
 @pytest.mark.parametrize("seed", [0, 5])
 def test_a1_t3_t5_sign_and_bounds(seed):
-    ent, mask, r, gid, ng = _random_batch(seed)
+    ent, mask, r, gid, ng = random_token_batch(seed)
     p = _typeset(alpha1=1.0, alpha2=0.3)
     shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, p)
     m = mask.bool()
@@ -319,7 +229,7 @@ def test_a1_t4_monotonicity():
 
 
 def test_a1_t6_variable_lengths_counts_and_padding():
-    ent, mask, r, gid, ng = _batch([4, 2, 3], [1, 1, -1], ["g"] * 3, L=5)
+    ent, mask, r, gid, ng = token_batch([4, 2, 3], [1, 1, -1], ["g"] * 3, L=5)
     d, h = active_counts(mask, r > 0, gid, ng)
     assert d[0].tolist() == [2, 2, 1, 1, 0]
     assert h[0].tolist() == [1, 1, 1, 0, 0]
@@ -330,7 +240,7 @@ def test_a1_t6_variable_lengths_counts_and_padding():
 
 
 def test_padding_values_never_read():
-    ent, mask, r, gid, ng = _random_batch(11)
+    ent, mask, r, gid, ng = random_token_batch(11)
     clean = torch.where(mask.bool(), ent, torch.zeros_like(ent))
     junk = torch.where(mask.bool(), ent, torch.full_like(ent, -1e30))
     for p in (_typeset(), _typeset(norm_mode="joint", norm_scope="batch")):
@@ -346,7 +256,7 @@ def test_padding_values_never_read():
 
 
 def test_a1_t7_split_alpha_invariant_joint_not():
-    ent, mask, r, gid, ng = _random_batch(21, allow_single=False)
+    ent, mask, r, gid, ng = random_token_batch(21, allow_single=False)
     outs_split = [
         gtpo_token_advantages(ent, mask, r, gid, ng, _typeset(alpha1=a1, alpha2=a2))[0]
         for a1, a2 in [(1.0, 0.1), (0.5, 2.0), (3.0, 0.5)]
@@ -362,7 +272,7 @@ def test_a1_t7_split_alpha_invariant_joint_not():
 
 @pytest.mark.parametrize("scope", ["group", "batch"])
 def test_a1_t9_split_sets_have_mean0_std1(scope):
-    ent, mask, r, gid, ng = _random_batch(8, allow_single=False, allow_empty=False)
+    ent, mask, r, gid, ng = random_token_batch(8, allow_single=False, allow_empty=False)
     adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset(norm_scope=scope))
     adv = adv.double()
     m = mask.bool()
@@ -427,13 +337,13 @@ def test_a1_t8_no_gradient_reaches_entropy():
 @pytest.mark.parametrize("mode", ["split", "joint"])
 @pytest.mark.parametrize("scope", ["group", "batch"])
 def test_vectorised_matches_loop_reference(seed, mode, scope):
-    ent, mask, r, gid, ng = _random_batch(100 + seed, reward_kind="pm1" if seed % 2 else "01")
+    ent, mask, r, gid, ng = random_token_batch(100 + seed, reward_kind="pm1" if seed % 2 else "01")
     std = "unbiased" if seed % 3 else "population"
     p = _typeset(alpha1=1.0, alpha2=0.1 + 0.2 * seed, norm_mode=mode, norm_scope=scope, std=std)
     offset = None
     if seed % 2:
         offset = -0.5 * torch.rand(len(r), generator=torch.Generator().manual_seed(seed))
-    shaped_ref, adv_ref = _loop_reference(ent, mask, r, gid, p, offset)
+    shaped_ref, adv_ref = gtpo_loop_reference(ent, mask, r, gid, p, offset)
     shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, p, reward_offset=offset)
     adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, p, reward_offset=offset)
     torch.testing.assert_close(shaped, shaped_ref, atol=1e-9, rtol=1e-9)
@@ -441,7 +351,7 @@ def test_vectorised_matches_loop_reference(seed, mode, scope):
 
 
 def test_row_order_does_not_matter():
-    ent, mask, r, gid, ng = _random_batch(42)
+    ent, mask, r, gid, ng = random_token_batch(42)
     adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset())
     perm = torch.randperm(len(r), generator=torch.Generator().manual_seed(1))
     adv_p, _ = gtpo_token_advantages(ent[perm], mask[perm], r[perm], gid[perm], ng, _typeset())
@@ -453,7 +363,7 @@ def test_row_order_does_not_matter():
 
 
 def test_all_correct_group_gets_entropy_rank_signal():
-    ent, mask, r, gid, ng = _batch([3, 3, 3], [1, 1, 1], ["a"] * 3, seed=2)
+    ent, mask, r, gid, ng = token_batch([3, 3, 3], [1, 1, 1], ["a"] * 3, seed=2)
     adv, diag = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset())
     assert torch.count_nonzero(adv) > 0
     # at each position, the advantage orders like the entropy
@@ -463,7 +373,7 @@ def test_all_correct_group_gets_entropy_rank_signal():
 
 
 def test_all_wrong_group_lower_entropy_lower_advantage():
-    ent, mask, r, gid, ng = _batch([3, 3, 3], [-1, -1, -1], ["a"] * 3, seed=4)
+    ent, mask, r, gid, ng = token_batch([3, 3, 3], [-1, -1, -1], ["a"] * 3, seed=4)
     adv, diag = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset())
     for t in range(3):
         assert torch.equal(torch.argsort(adv[:, t]), torch.argsort(ent[:, t]))
@@ -472,7 +382,7 @@ def test_all_wrong_group_lower_entropy_lower_advantage():
 
 def test_single_active_token_weight_one():
     # position 3: only row 0 is active among the correct ones (d_t = 1)
-    ent, mask, r, gid, ng = _batch([4, 2, 3], [1, 1, -1], ["g"] * 3, L=4)
+    ent, mask, r, gid, ng = token_batch([4, 2, 3], [1, 1, -1], ["g"] * 3, L=4)
     shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, _typeset())
     assert abs(float(shaped[0, 3]) - 1.1) < 1e-6
     # position 2 on the negative side: h_t = 1
@@ -480,7 +390,7 @@ def test_single_active_token_weight_one():
 
 
 def test_single_response_group_zero_under_group_scope():
-    ent, mask, r, gid, ng = _batch([4, 3, 3, 2, 3], [1, 1, 1, -1, -1], ["solo", "g", "g", "g", "h"], seed=6)
+    ent, mask, r, gid, ng = token_batch([4, 3, 3, 2, 3], [1, 1, 1, -1, -1], ["solo", "g", "g", "g", "h"], seed=6)
     adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset())
     assert torch.count_nonzero(adv[0]) == 0 and torch.count_nonzero(adv[4]) == 0
     assert torch.count_nonzero(adv[1:4]) > 0
@@ -489,7 +399,7 @@ def test_single_response_group_zero_under_group_scope():
 
 
 def test_empty_response_takes_no_part():
-    ent, mask, r, gid, ng = _batch([4, 2, 3, 3], [1, 1, -1, -1], ["g"] * 4, L=4, seed=9)
+    ent, mask, r, gid, ng = token_batch([4, 2, 3, 3], [1, 1, -1, -1], ["g"] * 4, L=4, seed=9)
     ent_e = torch.cat([ent, torch.full((2, 4), float("nan"))])
     mask_e = torch.cat([mask, torch.zeros(2, 4)])
     r_e = torch.cat([r, torch.tensor([1.0, -1.0])])
@@ -503,7 +413,7 @@ def test_empty_response_takes_no_part():
 
 
 def test_all_zero_entropy():
-    ent, mask, r, gid, ng = _batch([3, 3, 3, 3], [1, 1, -1, -1], ["g"] * 4)
+    ent, mask, r, gid, ng = token_batch([3, 3, 3, 3], [1, 1, -1, -1], ["g"] * 4)
     ent = torch.where(mask.bool(), torch.zeros_like(ent), ent)
     shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, _typeset())
     # positive side: weight 0/(0+eps) = 0 -> r~ = a1 * r (conservation breaks); negative side: 1/h_t each
@@ -522,7 +432,7 @@ def test_all_zero_entropy():
 
 def test_zero_variance_tolerance_needed_for_uniform_small_entropy():
     """Exactly uniform entropy with variable lengths: the eps guards leave a ~a2*eps/H spread (§3.6)."""
-    ent, mask, r, gid, ng = _batch([4, 2, 3, 1], [1, 1, -1, -1], ["g"] * 4, L=4)
+    ent, mask, r, gid, ng = token_batch([4, 2, 3, 1], [1, 1, -1, -1], ["g"] * 4, L=4)
     ent = torch.where(mask.bool(), torch.full_like(ent, 0.01), ent)
     adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset())
     assert torch.count_nonzero(adv) == 0
@@ -531,7 +441,7 @@ def test_zero_variance_tolerance_needed_for_uniform_small_entropy():
 
 
 def test_small_negative_entropy_is_clamped():
-    ent, mask, r, gid, ng = _batch([3, 3, 2], [1, 1, -1], ["g"] * 3, seed=1)
+    ent, mask, r, gid, ng = token_batch([3, 3, 2], [1, 1, -1], ["g"] * 3, seed=1)
     ent_neg = ent.clone()
     ent_neg[0, 1] = -0.003
     ent_zero = ent.clone()
@@ -542,7 +452,7 @@ def test_small_negative_entropy_is_clamped():
 
 
 def test_negative_base_choices():
-    ent, mask, _, gid, ng = _batch([3, 3, 3, 3], [1, 1, -1, -1], ["g"] * 4, seed=5)
+    ent, mask, _, gid, ng = token_batch([3, 3, 3, 3], [1, 1, -1, -1], ["g"] * 4, seed=5)
     r = torch.tensor([1.0, 0.8, -1.0, -1.4])  # e.g. a +-1 reward with an overlong penalty folded in
     s_lit = gtpo_shaped_rewards(ent, mask, r, gid, ng, _typeset(negative_base="minus_one"))
     s_rew = gtpo_shaped_rewards(ent, mask, r, gid, ng, _typeset(negative_base="reward"))
@@ -559,7 +469,7 @@ def test_negative_base_choices():
 
 
 def test_diagnostics_keys_and_values():
-    ent, mask, r, gid, ng = _random_batch(3)
+    ent, mask, r, gid, ng = random_token_batch(3)
     _, diag = gtpo_token_advantages(ent, mask, r, gid, ng, _typeset())
     expected = {
         "weight_pos_mean", "weight_pos_std", "weight_pos_max", "weight_neg_mean", "weight_neg_std", "weight_neg_max",
@@ -579,7 +489,7 @@ def test_diagnostics_keys_and_values():
 
 
 def _good():
-    return _batch([3, 2, 3], [1, 1, -1], ["g"] * 3, seed=0)
+    return token_batch([3, 2, 3], [1, 1, -1], ["g"] * 3, seed=0)
 
 
 @pytest.mark.parametrize(
@@ -718,7 +628,7 @@ def test_conflict_mask_composition_by_hand():
 
 def test_conflict_mask_random_equals_direct_product():
     conflict_weights = _conflict_weights()
-    ent, mask, r, gid, ng = _random_batch(77, L=6)
+    ent, mask, r, gid, ng = random_token_batch(77, L=6)
     g = torch.Generator().manual_seed(3)
     responses = torch.randint(0, 3, mask.shape, generator=g) * mask.long()
     p = _typeset(conflict_mask=True, conflict_lam_pos=1.5, conflict_lam_neg=0.25, norm_mode="joint")
@@ -737,7 +647,7 @@ def test_conflict_mask_random_equals_direct_product():
 
 @pytest.mark.parametrize("level", [1e-1, 1e-2, 1e-3])
 def test_a1_t10_uniform_entropy_to_zero_tends_to_constant(level):
-    ent, mask, r, gid, ng = _batch([4, 2, 3, 3], [1, 1, -1, -1], ["g"] * 4, L=4)
+    ent, mask, r, gid, ng = token_batch([4, 2, 3, 3], [1, 1, -1, -1], ["g"] * 4, L=4)
     ent = torch.where(mask.bool(), torch.full_like(ent, level), ent)
     shaped = gtpo_shaped_rewards(ent, mask, r, gid, ng, _typeset())
     m = mask.bool()

@@ -14,7 +14,7 @@ from gtpo.algorithms.entropy_shaping import gtpo_token_advantages
 from gtpo.algorithms.gtpo_token import gtpo_shaped_rewards, gtpo_token_reference
 from gtpo.algorithms.shaping_params import GTPOParams
 from gtpo.algorithms.trajectory import conflict_weights
-from tests.test_gtpo_token import _batch, _loop_reference, _random_batch
+from tests.support.estimators import gtpo_loop_reference, random_token_batch, token_batch
 
 
 def test_defaults_are_the_papers():
@@ -28,7 +28,7 @@ def test_defaults_are_the_papers():
 @pytest.mark.parametrize("conflict", [False, True])
 def test_zero_fill_matches_loop_reference(seed, norm_scope, weight_scope, conflict):
     # unequal groups, shuffled rows, empty rows (allow_empty), single-response groups
-    ent, mask, r, gid, ng = _random_batch(200 + seed, reward_kind="pm1" if seed % 2 else "01")
+    ent, mask, r, gid, ng = random_token_batch(200 + seed, reward_kind="pm1" if seed % 2 else "01")
     p = GTPOParams(
         alpha2=0.1 + 0.3 * seed,
         norm_scope=norm_scope,
@@ -37,7 +37,7 @@ def test_zero_fill_matches_loop_reference(seed, norm_scope, weight_scope, confli
         conflict_mask=conflict,
     )
     offset = -0.4 * torch.rand(len(r), generator=torch.Generator().manual_seed(seed)) if seed % 2 else None
-    shaped_ref, adv_ref = _loop_reference(ent, mask, r, gid, p, offset)
+    shaped_ref, adv_ref = gtpo_loop_reference(ent, mask, r, gid, p, offset)
     responses = None
     if conflict:
         responses = torch.randint(0, 2, mask.shape, generator=torch.Generator().manual_seed(seed)) * mask.long()
@@ -54,7 +54,7 @@ def test_zero_fill_matches_loop_reference(seed, norm_scope, weight_scope, confli
 @pytest.mark.parametrize("std", ["population", "unbiased"])
 def test_a1_t2_closed_form_at_alpha2_zero(weight_scope, std):
     """alpha2 = 0: +sqrt((1-p)/p) on correct tokens, -sqrt(p/(1-p)) on incorrect ones, p = correct-token share."""
-    ent, mask, r, gid, ng = _batch([5, 2, 4, 1, 3, 6], [1, -1, -1, 1, 1, -1], list("aabbcc"), L=6)
+    ent, mask, r, gid, ng = token_batch([5, 2, 4, 1, 3, 6], [1, -1, -1, 1, 1, -1], list("aabbcc"), L=6)
     adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(alpha2=0.0, weight_scope=weight_scope, std=std))
     m = mask.bool()
     pos, neg = m & (r > 0)[:, None], m & (r <= 0)[:, None]
@@ -69,7 +69,7 @@ def test_a1_t2_closed_form_at_alpha2_zero(weight_scope, std):
 
 
 def test_a1_t2_uniform_entropy_is_token_level_grpo():
-    ent, mask, r, gid, ng = _batch([5, 2, 4, 1, 3], [1, -1, -1, 1, 1], list("aabbb"))
+    ent, mask, r, gid, ng = token_batch([5, 2, 4, 1, 3], [1, -1, -1, 1, 1], list("aabbb"))
     ent = torch.where(mask.bool(), torch.full_like(ent, 1.3), ent)
     adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(std="population"))
     m = mask.bool()
@@ -82,7 +82,7 @@ def test_a1_t2_uniform_entropy_is_token_level_grpo():
 @pytest.mark.parametrize("norm_scope", ["batch", "group"])
 def test_a1_t11_sign_of_correctness(seed, norm_scope):
     """Remark 2.5: every valid token of a correct response has A > 0, of an incorrect one A < 0 (split: not so)."""
-    ent, mask, r, gid, ng = _random_batch(300 + seed, allow_empty=False)
+    ent, mask, r, gid, ng = random_token_batch(300 + seed, allow_empty=False)
     keep = torch.zeros(ng, 2, dtype=torch.bool)
     keep[gid, (r > 0).long()] = True
     mixed_group = keep.all(-1)[gid]
@@ -96,7 +96,7 @@ def test_a1_t11_sign_of_correctness(seed, norm_scope):
 
 
 def test_alpha_dependence_unlike_split():
-    ent, mask, r, gid, ng = _random_batch(8)
+    ent, mask, r, gid, ng = random_token_batch(8)
     advs = [gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(alpha1=a1, alpha2=a2))[0] for a1, a2 in
             [(1.0, 0.1), (1.0, 0.2), (0.9, 0.1)]]  # fmt: skip
     assert (advs[0] - advs[1]).abs().max() > 1e-3
@@ -109,7 +109,7 @@ def test_alpha_dependence_unlike_split():
 
 def test_a1_t12_batch_weight_scope_ignores_group_membership():
     """§4: moving a correct response into another prompt's group leaves its shaped rewards unchanged (batch)."""
-    ent, mask, r, gid, ng = _batch([4, 3, 4, 2, 4, 3], [1, 1, -1, 1, -1, 1], list("aaabbb"), seed=12)
+    ent, mask, r, gid, ng = token_batch([4, 3, 4, 2, 4, 3], [1, 1, -1, 1, -1, 1], list("aaabbb"), seed=12)
     moved = gid.clone()
     moved[0] = gid[3]  # row 0 (correct) joins the other prompt's group
     for scope, same in (("batch", True), ("group", False)):
@@ -124,7 +124,7 @@ def test_a1_t12_batch_weight_scope_ignores_group_membership():
 
 
 def test_one_polarity_scope_keeps_entropy_rank():
-    ent, mask, r, gid, ng = _batch([3, 3, 3], [1, 1, 1], ["a"] * 3, seed=2)
+    ent, mask, r, gid, ng = token_batch([3, 3, 3], [1, 1, 1], ["a"] * 3, seed=2)
     adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng)
     for t in range(3):
         assert torch.equal(torch.argsort(adv[:, t]), torch.argsort(ent[:, t]))
@@ -134,7 +134,7 @@ def test_one_polarity_scope_keeps_entropy_rank():
 @pytest.mark.parametrize("norm_scope", ["batch", "group"])
 @pytest.mark.parametrize("weight_scope", ["batch", "group"])
 def test_diagnostics_in_every_mode(norm_mode, norm_scope, weight_scope):
-    ent, mask, r, gid, ng = _random_batch(21)
+    ent, mask, r, gid, ng = random_token_batch(21)
     p = GTPOParams(norm_mode=norm_mode, norm_scope=norm_scope, weight_scope=weight_scope)
     adv, diag = gtpo_token_advantages(ent, mask, r, gid, ng, p)
     _, ref_diag = gtpo_token_reference(ent, mask, r, gid, ng, p)
@@ -156,7 +156,7 @@ def test_kernel_large_zero_var_rtol_and_negative_correct_base(norm_mode, norm_sc
     """A correct row whose base is negative (offset below -r) has shaped rewards of both signs: mean|x| needs them
     token by token, and a large ``zero_var_rtol`` makes the constant-set decision depend on it."""
     gen = torch.Generator().manual_seed(seed)
-    ent, mask, r, gid, ng = _random_batch(400 + seed, allow_empty=True)
+    ent, mask, r, gid, ng = random_token_batch(400 + seed, allow_empty=True)
     r = torch.where(r > 0, 0.3, -1.0)
     offset = torch.where(torch.rand(len(r), generator=gen) < 0.7, -1.0, 0.0)  # correct base 0.3 - 1 < 0
     p = GTPOParams(norm_mode=norm_mode, norm_scope=norm_scope, alpha2=1.0, zero_var_rtol=0.1 + 0.075 * seed)
@@ -169,7 +169,7 @@ def test_kernel_large_zero_var_rtol_and_negative_correct_base(norm_mode, norm_sc
 def test_constant_set_decision_uses_token_level_abs_for_mixed_sign_rows(scope):
     """rtol between std / mean|x| and std / (sum_rows |sum x| / n) of the correct set: the set is constant
     (advantage 0) only if mean|x| is taken token by token, as the rows' shaped rewards have both signs."""
-    ent, mask, _, gid, ng = _batch([4, 3, 4, 2, 3], [1, 1, 1, -1, -1], ["g"] * 5, seed=5)
+    ent, mask, _, gid, ng = token_batch([4, 3, 4, 2, 3], [1, 1, 1, -1, -1], ["g"] * 5, seed=5)
     r = torch.tensor([0.3, 0.3, 0.3, -1.0, -1.0])
     offset = torch.tensor([-0.35, -0.35, -0.35, 0.0, 0.0])  # correct base -0.05: -0.05 + a2 * w, both signs
     p = GTPOParams(norm_mode="split", alpha2=0.3, norm_scope=scope, weight_scope=scope)
@@ -194,7 +194,7 @@ def test_constant_set_decision_uses_token_level_abs_for_mixed_sign_rows(scope):
 def test_near_constant_set_is_measured_not_cancelled(scope):
     """Uniform entropy in an all-correct batch: the split set differs only by the eps guards (~a2*eps/H), so it is
     constant under the default tolerance and only rounding-sized without it (both statistics of the kernel)."""
-    ent, mask, r, gid, ng = _batch([4, 2, 3, 1, 4], [1, 1, 1, 1, 1], list("aabbb"), L=4)
+    ent, mask, r, gid, ng = token_batch([4, 2, 3, 1, 4], [1, 1, 1, 1, 1], list("aabbb"), L=4)
     ent = torch.where(mask.bool(), torch.full_like(ent, 0.01), ent)
     kw = dict(norm_mode="split", norm_scope=scope, weight_scope=scope)
     adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(**kw))

@@ -5,7 +5,8 @@
 A kernel's output is not zeroed memory: a large one is the memory of an earlier output, freed and kept for the next
 call. So each write pass must write every element of its rows, the zeros of padding and of empty rows included.
 Here the outputs are handed out full of NaN, and each estimator must still equal its float64 definition; and a
-recycled buffer is never one that a tensor or view still holds.
+recycled buffer is never one that a tensor, view, numpy array or storage still holds, nor one of another size, and
+outputs under 8 MiB are not pooled at all.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from gtpo.algorithms.gtpo_token import gtpo_token_reference
 from gtpo.algorithms.shaping_params import GRPOSParams, GTPOParams
 from gtpo.algorithms.trajectory import centred_advantages, gtpo_traj_advantages, gtpo_traj_reference
 from gtpo.algorithms.trajectory_params import GTPOTrajParams
-from tests.test_gtpo_kernel import assert_same, random_batch
-from tests.test_trajectory import _random_traj_batch
+from tests.support.estimators import assert_same, random_batch, random_traj_batch
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_grpo_s_writes_every_element(nan_outputs, monkeypatch, norm_mode, thread
 
 @pytest.mark.parametrize("seed", range(4))
 def test_gtpo_traj_writes_every_element(nan_outputs, seed):
-    scores, mask, ids, ent, gid, ng = _random_traj_batch(seed)
+    scores, mask, ids, ent, gid, ng = random_traj_batch(seed)
     params = GTPOTrajParams(tau=0.6 if seed % 2 else math.inf, lam_neg=0.5)
     out = gtpo_traj_advantages(scores, mask, ids, ent, gid, ng, params, 0.5)
     adv, pol, zv = centred_advantages(scores, gid, ng, params.adv_norm, params.eps)
@@ -146,3 +146,77 @@ def test_the_pool_keeps_at_most_two_buffers_and_drops_other_sizes(empty_pool):
     small = kernel_support.kernel_output(3, 5)  # under 8 MB: numpy's allocation, never pooled
     del small
     assert len(empty_pool._free) == 0
+
+
+def test_a_freed_output_of_another_size_is_never_handed_out(empty_pool):
+    big = kernel_support.kernel_output(1024, 4096)
+    del big
+    assert [len(b) for b in empty_pool._free] == [1024 * 4096 * 4]
+    smaller = kernel_support.kernel_output(1024, 2048)  # the larger free buffer is dropped, not reused
+    assert smaller.shape == (1024, 2048) and smaller.dtype == torch.float32 and smaller.is_contiguous()
+    assert smaller.untyped_storage().nbytes() == 1024 * 2048 * 4 and len(empty_pool._free) == 0
+    del smaller
+    assert [len(b) for b in empty_pool._free] == [1024 * 2048 * 4]
+    larger = kernel_support.kernel_output(2048, 2048)
+    assert larger.shape == (2048, 2048) and larger.untyped_storage().nbytes() == 2048 * 2048 * 4
+    larger.fill_(1.0)  # every byte of it is writable memory of its own
+    assert len(empty_pool._free) == 0
+
+
+def test_a_size_change_drops_the_free_buffers_of_the_old_size(empty_pool):
+    old, new = kernel_support.kernel_output(1024, 2048), kernel_support.kernel_output(1024, 4096)
+    address = new.data_ptr()
+    del old, new  # freed in this order
+    again = kernel_support.kernel_output(1024, 4096)
+    assert again.data_ptr() == address and len(empty_pool._free) == 0  # the old size's buffer is not kept
+
+
+def test_an_output_of_the_same_size_gets_the_freed_memory(empty_pool):
+    first = kernel_support.kernel_output(1024, 2048)
+    first[-1, -1] = 7.0
+    address = first.data_ptr()
+    del first
+    again = kernel_support.kernel_output(2048, 1024)  # same bytes, other shape: the memory is recycled
+    assert again.data_ptr() == address and again.shape == (2048, 1024) and len(empty_pool._free) == 0
+    assert again[-1, -1] == 7.0  # not zeroed: the last output's values
+
+
+@pytest.mark.parametrize("hold", ["numpy", "detach", "untyped_storage", "row"])
+def test_memory_held_another_way_is_never_handed_out(empty_pool, hold):
+    out = kernel_support.kernel_output(1024, 2048)
+    out.fill_(3.0)
+    address = out.data_ptr()
+    held = {
+        "numpy": lambda t: t.numpy(),
+        "detach": lambda t: t.detach(),
+        "untyped_storage": lambda t: t.untyped_storage(),
+        "row": lambda t: t[-1],
+    }[hold](out)
+    del out
+    assert len(empty_pool._free) == 0
+    other = kernel_support.kernel_output(1024, 2048)
+    assert other.data_ptr() != address
+    other.fill_(-1.0)
+    seen = torch.empty(0).set_(held) if hold == "untyped_storage" else torch.as_tensor(held)
+    assert seen.numel() in (2048, 1024 * 2048) and bool((seen == 3.0).all())  # the other output wrote elsewhere
+    del held, seen
+    assert len(empty_pool._free) == 1
+    assert kernel_support.kernel_output(1024, 2048).data_ptr() == address
+
+
+@pytest.mark.parametrize(
+    "rows,cols,pooled",
+    [
+        (3, 5, False),
+        (512, 512, False),  # 1 MiB
+        (1, (8 << 20) // 4 - 1, False),  # 4 bytes under 8 MiB
+        (1, (8 << 20) // 4, True),  # exactly 8 MiB
+        (1024, 2048, True),
+    ],
+)
+def test_outputs_from_8_mib_are_pooled_and_smaller_ones_are_not(empty_pool, rows, cols, pooled):
+    assert kernel_support._HUGE_OUTPUT_BYTES == 8 << 20
+    out = kernel_support.kernel_output(rows, cols)
+    assert out.shape == (rows, cols) and out.dtype == torch.float32 and out.is_contiguous()
+    del out
+    assert len(empty_pool._free) == int(pooled)

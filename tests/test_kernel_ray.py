@@ -37,7 +37,7 @@ def _batch(rows=512, length=300, seed=0):
 
 def _run_all(entropy, mask, rewards, gid, ng, responses):
     """The three estimators through their kernels; returns the advantages and the thread counts used."""
-    from gtpo.algorithms import kernel_support
+    from gtpo.algorithms import kernel_dispatch, kernel_support
     from gtpo.algorithms.entropy_shaping import grpo_s_advantages, gtpo_token_advantages
     from gtpo.algorithms.shaping_params import GTPOParams
     from gtpo.algorithms.trajectory import gtpo_traj_advantages
@@ -46,7 +46,7 @@ def _run_all(entropy, mask, rewards, gid, ng, responses):
     gtpo, _ = gtpo_token_advantages(entropy, mask, rewards, gid, ng, GTPOParams(conflict_mask=True), None, responses)
     grpo_s, _ = grpo_s_advantages(entropy, mask, rewards, gid, ng)
     traj = gtpo_traj_advantages(rewards, mask, responses, entropy, gid, ng, GTPOTrajParams(h_ini=0.3)).advantages
-    assert kernel_support.load_kernel("gtpo_token_kernel") is not None  # the kernels ran, not the definitions
+    assert kernel_dispatch.kernel_on("gtpo_token_kernel")  # the kernels ran, not the definitions
     return {
         "adv": (gtpo, grpo_s, traj),
         "torch_threads": torch.get_num_threads(),

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from gtpo.algorithms import kernel_support
+from gtpo.algorithms import kernel_dispatch
 from gtpo.algorithms.group_ops import group_mean_std
 from tests.conftest import REPO_ROOT
 
@@ -32,7 +32,7 @@ def test_row_sums_equal_torch(monkeypatch, dtype, threads):
     elif not dtype.is_floating_point:
         x = (x * 10).round().clamp(min=0)
     x = x.to(dtype)
-    got = kernel_support.row_sums(x)
+    got = kernel_dispatch.row_sums(x)
     expected = x.to(torch.float64).sum(-1)
     assert got.shape == (300,)
     assert got.dtype == (dtype if dtype.is_floating_point else torch.float64)
@@ -41,12 +41,12 @@ def test_row_sums_equal_torch(monkeypatch, dtype, threads):
 
 def test_row_sums_of_a_view_a_cuda_like_fallback_and_empty_shapes():
     x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    assert kernel_support.row_sums(x[:, ::2]).tolist() == x[:, ::2].sum(-1).tolist()  # non-contiguous
-    assert kernel_support.row_sums(x.t()).tolist() == x.t().sum(-1).tolist()
-    assert kernel_support.row_sums(torch.zeros(0, 5)).shape == (0,)
-    assert kernel_support.row_sums(torch.zeros(3, 0)).tolist() == [0.0, 0.0, 0.0]
+    assert kernel_dispatch.row_sums(x[:, ::2]).tolist() == x[:, ::2].sum(-1).tolist()  # non-contiguous
+    assert kernel_dispatch.row_sums(x.t()).tolist() == x.t().sum(-1).tolist()
+    assert kernel_dispatch.row_sums(torch.zeros(0, 5)).shape == (0,)
+    assert kernel_dispatch.row_sums(torch.zeros(3, 0)).tolist() == [0.0, 0.0, 0.0]
     half = torch.ones(2, 3, dtype=torch.float16)  # not a kernel dtype: torch's own sum, same dtype
-    assert kernel_support.row_sums(half).dtype == torch.float16 and half.sum(-1).tolist() == [3.0, 3.0]
+    assert kernel_dispatch.row_sums(half).dtype == torch.float16 and half.sum(-1).tolist() == [3.0, 3.0]
 
 
 def test_group_std_matches_torch_std_and_keeps_gradients():

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_launch_scripts import fake_tools
+from tests.support.launch import fake_tools
 
 REPO = Path(__file__).resolve().parents[1]
 LOG_DIRS = ("VERL_FILE_LOGGER_ROOT", "TENSORBOARD_DIR", "WANDB_DIR")

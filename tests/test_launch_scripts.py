@@ -22,11 +22,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.launch import BEGIN, END, dry_run_env, fake_tools, resolved_config, script_path
+
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("grpo", "dapo", "dapo_forking", "gtpo", "grpo_s", "gtpo_traj")
 SIZES = ("7b", "32b")
 CASES = list(itertools.product(METHODS, SIZES))
-BEGIN, END = "----- BEGIN RESOLVED CONFIG -----", "----- END RESOLVED CONFIG -----"
 
 # What each method must resolve to (the papers and the method presets): estimator, loss aggregation,
 # clip (eps_low, eps_high), KL loss, dynamic sampling. GRPO keeps its KL penalty to the reference model.
@@ -60,10 +61,6 @@ SCRIPT_KNOB_KEYS = (
 SMOKE = REPO / "scripts" / "run_smoke_qwen2.5_0.5b.sh"
 
 
-def script_path(method: str, size: str) -> Path:
-    return REPO / "scripts" / f"run_{method}_qwen2.5_{size}.sh"
-
-
 def missing_prerequisite(method: str) -> str | None:
     """Why a dry run cannot run yet (files other parts of the recipe provide), or None."""
     for rel in (f"configs/method/{method}.yaml", "recipe/gtpo/main_gtpo.py", "recipe/gtpo/config/gtpo_trainer.yaml"):
@@ -74,31 +71,6 @@ def missing_prerequisite(method: str) -> str | None:
 
 # Where the launchers put the metric logs, relative to CKPTS_DIR (scripts/common.sh).
 LOG_DIRS = {"VERL_FILE_LOGGER_ROOT": "/logs", "TENSORBOARD_DIR": "/tensorboard", "WANDB_DIR": ""}
-
-
-def dry_run_env(tmp: Path) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RAY_", "SUBMIT_", "WANDB_", "VERL_FILE_LOGGER_")) and k != "TENSORBOARD_DIR"
-    }
-    env.update(
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-        PYTHON=sys.executable,
-        DRY_RUN="1",
-        HOME=str(tmp),
-        # Any ray.init() would try this unreachable address and fail: a dry run must never get there.
-        RAY_ADDRESS="127.0.0.1:9",
-        WANDB_MODE="disabled",
-        PYTHONWARNINGS="ignore",
-    )
-    return env
-
-
-def resolved_config(stdout: str) -> dict:
-    if BEGIN not in stdout or END not in stdout:
-        raise AssertionError(f"no resolved config in the dry-run output:\n{stdout[-3000:]}")
-    return yaml.safe_load(stdout.split(BEGIN, 1)[1].split(END, 1)[0])
 
 
 def select(cfg: dict, dotted: str):
@@ -294,24 +266,6 @@ def test_script_knobs_agree_with_presets(dry_runs, monkeypatch):
         pytest.skip("no dry run ran (method presets or the entry point missing)")
 
 
-def fake_tools(tmp_path: Path) -> tuple[Path, Path]:
-    """A fake `ray` (records argv and the runtime env it was handed) and a fake python (records argv)."""
-    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
-    bin_dir.mkdir()
-    (bin_dir / "ray").write_text(
-        "#!/usr/bin/env bash\n"
-        'printf "ray %s\\n" "$*" >> "$FAKE_LOG"\n'
-        'while [[ $# -gt 0 ]]; do [[ "$1" == --runtime-env ]] && cp "$2" "$FAKE_LOG.env"; shift; done\n'
-    )
-    (bin_dir / "fakepython").write_text(
-        f'#!/usr/bin/env bash\nif [[ "$1" == - ]]; then exec {sys.executable} "$@"; fi\n'
-        'printf "python %s\\n" "$*" >> "$FAKE_LOG"\n'
-    )
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
-    return bin_dir, log
-
-
 def launch_env(tmp_path: Path, bin_dir: Path, log: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SUBMIT_", "WANDB_", "DRY_RUN"))}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHON=str(bin_dir / "fakepython"), FAKE_LOG=str(log))
@@ -501,7 +455,7 @@ def test_dry_run_rejects_the_overlong_trap(tmp_path):
 def test_eval_checkpoint_dry_run(tmp_path):
     """scripts/eval_checkpoint.sh runs the launcher's validation only, on the checkpoint, dumping the generations; its
     dry run checks that the checkpoint is there (before Python starts) and complete (the launcher's dry run)."""
-    from tests.test_dry_run import complete_checkpoint
+    from tests.support.checkpoints import complete_checkpoint
 
     evaluate = (str(REPO / "scripts" / "eval_checkpoint.sh"), str(script_path("gtpo", "7b")))
     missing = tmp_path / "ckpts" / "global_step_31"

@@ -17,7 +17,7 @@ from functools import partial
 import pytest
 import torch
 
-from tests.test_forking import _actor_config, _micro_batch, _p
+from tests.support.forking import actor_config, forking_params, micro_batch
 
 # Two micro-batches of two responses each, with log-probs 0: a response whose old log-probs are all -log(r) has
 # sequence ratio r. Extremes per micro-batch: (0.5, 1.0) and (1.2, 1.5); over both: 0.5 and 1.5.
@@ -26,7 +26,7 @@ RATIOS = ([0.5, 1.0], [1.2, 1.5])
 
 def _grpo_s_metrics(loss_fn, ratios: list[float]) -> dict:
     n = len(ratios)
-    data, out, *_ = _micro_batch([2] * n, [[0.5, 0.6, 0.7]] * n, [[1.0, 1.0, 1.0]] * n)
+    data, out, *_ = micro_batch([2] * n, [[0.5, 0.6, 0.7]] * n, [[1.0, 1.0, 1.0]] * n)
     data["old_log_probs"] = torch.nested.as_nested_tensor(
         [torch.full((3,), -math.log(r)) for r in ratios], layout=torch.jagged
     )
@@ -55,7 +55,7 @@ def _grpo_s_loss():
 
     from gtpo.verl_plugin.loss_metrics import GRPOSPPOLoss
 
-    config = _actor_config("seq-mean-token-mean", loss_mode="grpo_s")
+    config = actor_config("seq-mean-token-mean", loss_mode="grpo_s")
     return GRPOSPPOLoss(config), partial(ppo_loss, config=config)
 
 
@@ -100,7 +100,7 @@ def test_the_recipe_loss_changes_nothing_but_the_aggregation():
 def test_forking_with_the_grpo_s_loss_keeps_the_extremes_too():
     from gtpo.verl_plugin.forking import ForkingPPOLoss
 
-    loss = ForkingPPOLoss(_actor_config("token-mean", loss_mode="grpo_s"), _p(rho=1.0))
+    loss = ForkingPPOLoss(actor_config("token-mean", loss_mode="grpo_s"), forking_params(rho=1.0))
     ranks = [_rank_metrics([_grpo_s_metrics(loss, ratios)]) for ratios in RATIOS]
     assert _update_actor(ranks, "grpo_s/seq_ratio_min") == pytest.approx(0.5)
     assert _update_actor(ranks, "grpo_s/seq_ratio_max") == pytest.approx(1.5)

@@ -4,7 +4,7 @@
 
 The model presets (and now the CPU backend) run verl's FSDP2 engine with remove padding, token-budget micro-batches,
 chunked entropy and activation checkpointing; ``scale=dapo`` adds Ulysses, the 32B preset parameter and optimizer
-offload. Each path of ``tests/path_support.py`` runs the old-log-prob pass (verl's ``compute_log_prob`` on the old
+offload. Each path of ``tests/support/paths.py`` runs the old-log-prob pass (verl's ``compute_log_prob`` on the old
 policy: the per-token entropy the recipe's estimators read), the recipe's advantages on the whole batch, and one
 actor update (verl's ``update_actor``, SGD, no clipping in effect) per method, on one fixed batch of 15 responses of
 2-16 tokens to 4 prompts plus verl's 128-token padding row. The token budgets (128) pack 3-4 micro-batches of
@@ -25,7 +25,7 @@ Compared with the padded path with fixed micro-batches, on every path (worst dif
 Different by design: the forking loss with ``scope=micro_batch`` takes its top-rho tokens inside each micro-batch,
 and token budgets change what a micro-batch holds, so its loss depends on how the budget packed the batch. Checked
 instead: on every path it equals the per-micro-batch formula recomputed from that path's micro-batches
-(``dp_support.forking_micro_batch_loss``), and the dynamic paths' loss differs from the padded one's. The method
+(``dp.forking_micro_batch_loss``), and the dynamic paths' loss differs from the padded one's. The method
 preset therefore selects over the whole batch (``scope=batch``), which every path computes alike.
 
 Planted faults must fail the comparison (each replaces one verl function in the rank process for the old-log-prob
@@ -41,8 +41,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests import dp_support as S
-from tests import path_support as P
+from tests.support import dp as S
+from tests.support import paths as P
 
 OTHER_PATHS = [name for name in P.PATHS if name != "padded"]
 EQUIVALENT = ("gtpo", "grpo_s", "gtpo_traj", "forking_batch")
@@ -171,7 +171,7 @@ def test_forking_micro_batch_scope_follows_what_each_micro_batch_holds(results, 
 def test_the_method_preset_selects_forking_tokens_over_the_whole_batch():
     cfg = S.compose_config("forking_micro_batch", "unused", P.PRESET)
     assert cfg.algorithm.forking.scope == "micro_batch"  # the harness's explicit override
-    from tests.test_configs import compose
+    from tests.support.configs import compose
 
     preset = compose(["method=dapo_forking"])
     assert preset.algorithm.forking.scope == "batch"

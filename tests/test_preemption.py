@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from gtpo.knobs import load_knobs
 from gtpo.trainer.preemption import (
     EXIT_CODE,
     DriverRelay,
@@ -26,7 +27,6 @@ from gtpo.trainer.preemption import (
     resolve_deadline,
 )
 from gtpo.trainer.preemption_hooks import TrainerStop
-from gtpo.verl_plugin.config import load_knobs
 
 # --------------------------------------------------------------------------------------------------------- knobs
 
@@ -236,7 +236,7 @@ class StandInTrainer:
         self.validations: list[int] = []
         self.logged: list[int] = []
         self.finished = 0
-        self.__dict__["_tracking"] = SimpleNamespace(finish=self._finish)
+        self.logger = SimpleNamespace(finish=self._finish)
 
     def _finish(self):
         self.finished += 1

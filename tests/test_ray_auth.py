@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from gtpo.launch.ray_auth import check_ray_auth, ray_auth_problem
-from tests.e2e_support import REPO_ROOT
+from tests.support.e2e import REPO_ROOT
 
 _INIT = "import sys, ray; ray.init(address=sys.argv[1], log_to_driver=False); print('JOINED', len(ray.nodes()))"
 
@@ -126,7 +126,7 @@ def test_the_entry_point_refuses_before_ray_starts(monkeypatch):
     joins nothing, is not stopped."""
     import gtpo.verl_plugin.register  # noqa: F401
     from recipe.gtpo.main_gtpo import prepare_config
-    from tests.test_configs import compose
+    from tests.support.configs import compose
 
     for key in [k for k in os.environ if k.startswith("RAY_AUTH")]:
         monkeypatch.delenv(key)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_forking import _actor_config
+from tests.support.forking import actor_config
 
 PAD_H = 1e4  # entropy on non-token positions: selecting one would dominate the threshold and the loss
 PAD_LOGP = -7.0  # log-prob on non-token positions: counting one would move the loss
@@ -141,7 +141,7 @@ def _response_positions():
 def test_forking_loss_is_layout_independent_under_remove_padding():
     from gtpo.verl_plugin.forking import ForkingParams, ForkingPPOLoss
 
-    fn = ForkingPPOLoss(_actor_config("token-mean"), ForkingParams(enable=True, rho=0.3))
+    fn = ForkingPPOLoss(actor_config("token-mean"), ForkingParams(enable=True, rho=0.3))
     data = _data()
     metrics_a, metrics_b, grad = _check_same(_run(fn, _packed_outputs, data), _run(fn, _padded_outputs, _data()))
     # 9 response tokens, rho 0.3 -> k = ceil(2.7) = 3: entropies 0.95 (A=-2), 0.9 (A=2), 0.8 (A=1.5).
@@ -160,7 +160,7 @@ def test_grpo_s_loss_is_layout_independent_under_remove_padding():
 
     import gtpo.verl_plugin.register  # noqa: F401  (registers the grpo_s policy loss)
 
-    config = _actor_config("seq-mean-token-mean", loss_mode="grpo_s")
+    config = actor_config("seq-mean-token-mean", loss_mode="grpo_s")
 
     def fn(out, data):
         return ppo_loss(config, out, data)

@@ -4,9 +4,9 @@
 
 Folders are laid out as verl 0.9.1's ``_save_checkpoint`` writes them, in its order: ``actor/`` (every rank's
 ``model_/optim_/extra_state_world_size_<W>_rank_<r>.pt``), ``critic/``, ``data.pt``, ``transfer_queue/``, the tracker,
-then the recipe's ``gtpo_state.json``. Each test stops that sequence where a kill would. The shard set, the world
-size and retention: tests/test_checkpoint_shards.py. The same states through the real trainer:
-tests/test_e2e_resume.py.
+then the recipe's ``gtpo_state.json`` (tests/support/checkpoints.py). Each test stops that sequence where a kill
+would. The shard set, the world size and retention: tests/test_checkpoint_shards.py. The same states through the
+real trainer: tests/test_e2e_resume.py.
 """
 
 from __future__ import annotations
@@ -19,40 +19,10 @@ import stat
 import pytest
 
 from gtpo.trainer import checkpoint_state, checkpoints
-from gtpo.trainer.checkpoints import SHARD_KINDS, TRACKER_FILE, CheckpointLayout, resolve_auto_resume
+from gtpo.trainer.checkpoints import TRACKER_FILE, CheckpointLayout, resolve_auto_resume
+from tests.support.checkpoints import make_trainer, save, write_shards
 
 SYNC = CheckpointLayout()
-
-# verl's save, step by step; a kill after step i leaves SAVE_STEPS[:i] done.
-SAVE_STEPS = ("actor", "data", "tracker", "state")
-
-
-def write_shards(directory, world_size=1, kinds=SHARD_KINDS):
-    """What verl's FSDP checkpoint manager writes into ``actor/`` (``critic/``) at ``world_size``."""
-    (directory / "huggingface").mkdir(parents=True, exist_ok=True)
-    for kind in kinds:
-        for rank in range(world_size):
-            (directory / checkpoints.shard_name(kind, world_size, rank)).write_bytes(b"tensors")
-
-
-def save(root, step, upto=None, tracker_text=None, world_size=1, critic=False, async_mode=False):
-    """Run verl's save sequence for ``step`` as far as ``upto`` steps; ``tracker_text`` replaces what verl writes."""
-    folder = root / f"global_step_{step}"
-    done = SAVE_STEPS[: len(SAVE_STEPS) if upto is None else upto]
-    if "actor" in done:
-        write_shards(folder / "actor", world_size)
-        if critic:
-            write_shards(folder / "critic", world_size)
-    if "data" in done:
-        (folder / "data.pt").write_bytes(b"dataloader")
-        if async_mode:
-            (folder / "transfer_queue").mkdir(exist_ok=True)
-            (folder / "transfer_queue" / "trajectories.bin").write_bytes(b"stored trajectories")
-    if "tracker" in done:
-        (root / TRACKER_FILE).write_text(str(step) if tracker_text is None else tracker_text)
-    if "state" in done:
-        checkpoint_state.save_state(str(folder), step)
-    return folder
 
 
 @pytest.fixture
@@ -131,7 +101,7 @@ def test_incomplete_folders_are_skipped_for_the_newest_complete_one(root):
     old = save(root, 4)
     shutil.rmtree(old / "actor")  # verl's max_actor_ckpt_to_keep removed step 4's actor/
     stale = save(root, 6, upto=2)
-    checkpoint_state.save_state(str(stale), 5)  # a state file of another step
+    checkpoint_state.save_state(str(stale), 5, checkpoint_state.new_state())  # a state file of another step
     save(root, 8, upto=3)
     assert resolve_auto_resume(str(root), SYNC) == str(root / "global_step_2")
     assert checkpoints.incomplete_reasons(str(old), 4, SYNC) == ["no actor/"]
@@ -167,7 +137,8 @@ def test_without_a_tracker(root, caplog, tmp_path):
     with caplog.at_level(logging.WARNING, logger="gtpo.trainer.checkpoints"):
         assert resolve_auto_resume(str(root), SYNC) is None
     assert "training from scratch" in caplog.records[0].getMessage()
-    checkpoint_state.save_state(str(root / "global_step_2"), 2)  # complete, but the tracker was deleted
+    # complete, but the tracker was deleted
+    checkpoint_state.save_state(str(root / "global_step_2"), 2, checkpoint_state.new_state())
     assert resolve_auto_resume(str(root), SYNC) == str(root / "global_step_2")
     assert (root / TRACKER_FILE).read_text() == "2"
 
@@ -258,7 +229,8 @@ def test_the_state_file_comes_after_verls_save_and_a_stale_one_goes_first(root, 
             seen["user"] = checkpoint_state.read_state(checkpoint_dir)
 
     stale = save(root, 6, upto=2)
-    checkpoint_state.save_state(str(stale), 6)  # left by an attempt whose later save was abandoned
+    # left by an attempt whose later save was abandoned
+    checkpoint_state.save_state(str(stale), 6, checkpoint_state.new_state())
 
     def verl_save(trainer):  # what verl's _save_checkpoint does around its callback
         seen["during"] = checkpoint_state.read_state(str(stale))
@@ -268,31 +240,14 @@ def test_the_state_file_comes_after_verls_save_and_a_stale_one_goes_first(root, 
     monkeypatch.setattr(PPOTrainerSync, "_save_checkpoint", verl_save)
     trainer = make_trainer(root)
     trainer.global_steps = 6
-    trainer.checkpoint_callback = checkpoint_state.StateAfterSave(UserCallback())
+    trainer.checkpoint_callback = checkpoint_state.StateAfterSave(UserCallback(), checkpoint_state.new_state())
     trainer._save_checkpoint()
     assert seen["during"] == "no gtpo_state.json"
     assert seen["user"]["global_steps"] == 6
-    async_callback = checkpoint_state.StateAfterSave(UserCallback())
+    async_callback = checkpoint_state.StateAfterSave(UserCallback(), checkpoint_state.new_state())
     checkpoint_state.discard_state(str(stale))
     async_callback.on_save(trainer=trainer, global_step=6, checkpoint_dir=str(stale), async_save=True)
     assert seen["user"] == "no gtpo_state.json"  # an asynchronous save may still be writing: never complete
-
-
-def make_trainer(root, use_critic=False, **trainer):
-    """A sync trainer as far as its checkpoint methods look: config and use_critic (no workers)."""
-    from omegaconf import OmegaConf
-
-    from gtpo.trainer.modes import GTPOTrainerSync
-
-    trainer_cfg = {"default_local_dir": str(root), "nnodes": 1, "n_gpus_per_node": 1, "resume_mode": "auto"}
-    contents = ["model", "optimizer", "extra"]
-    role = {"strategy": "fsdp2", "checkpoint": {"save_contents": contents, "load_contents": contents}}
-    out = object.__new__(GTPOTrainerSync)
-    out.config = OmegaConf.create(
-        {"trainer": {**trainer_cfg, **trainer}, "actor_rollout_ref": {"actor": role}, "critic": role, "algorithm": {}}
-    )
-    out.use_critic = use_critic
-    return out
 
 
 @pytest.mark.parametrize(

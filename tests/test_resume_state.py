@@ -226,19 +226,23 @@ def test_default_path_from_verl_root(tmp_path, monkeypatch):
     tracking.finish()
 
 
-def test_trainer_logger_hook_attaches_the_history(log_path):
-    """GTPOTrainerSync's ``logger`` setter is where verl's fit() hands over its Tracking."""
+@pytest.mark.parametrize("first_hook", ["on_validate_begin", "on_train_begin"])
+def test_trainer_hooks_attach_the_history(log_path, first_hook):
+    """verl's fit() builds its Tracking as ``self.logger``, then calls ``on_validate_begin`` (validation before
+    training) or ``on_train_begin`` before logging: the first of them applies the history, once."""
     from gtpo.trainer.modes import GTPOTrainerSync
 
     first = _tracking()
     _log_steps(first, [1, 2, 3], "first")
     first.finish()
     trainer = object.__new__(GTPOTrainerSync)
-    with pytest.raises(AttributeError):
-        trainer.logger  # noqa: B018 - unset before fit(), as in verl
     config = OmegaConf.create({"logger": ["console", "file"], "project_name": "proj", "experiment_name": "exp"})
     trainer._metric_history = metric_history.MetricHistory.for_trainer(config, resumed_step=2)
     trainer.logger = _tracking()
+    assert _raw_steps(log_path) == []  # verl's FileLogger truncated the log; the history is aside
+    getattr(trainer, first_hook)()
+    assert _raw_steps(log_path) == [1, 2]
+    trainer.on_train_begin()  # the second hook finds nothing left to apply
     trainer.logger.log(data={"critic/score/mean": 3.5}, step=3)
     trainer.logger.finish()
     assert _raw_steps(log_path) == [1, 2, 3]
@@ -258,59 +262,81 @@ def test_strict_and_lenient_reading(tmp_path):
 # ------------------------------------------------------------------------------------------- checkpoint state
 
 
-@pytest.fixture
-def clean_h_ini():
-    traj_adapter.reset_h_ini()
-    yield
-    traj_adapter.reset_h_ini()
-
-
-def test_state_round_trip_restores_h_ini(tmp_path, clean_h_ini):
-    traj_adapter.set_h_ini(0.4375)
-    path = checkpoint_state.save_state(str(tmp_path / "global_step_4"), 4)
+def test_state_round_trip_restores_h_ini(tmp_path):
+    state = checkpoint_state.new_state()
+    state["gtpo_traj"]["h_ini"] = 0.4375
+    path = checkpoint_state.save_state(str(tmp_path / "global_step_4"), 4, state)
     assert json.loads(open(path).read()) == {"format": 1, "global_steps": 4, "gtpo_traj": {"h_ini": 0.4375}}
-    traj_adapter.reset_h_ini()  # a new process
+    resumed = checkpoint_state.new_state()  # a new trainer
     algorithm = OmegaConf.create({"gtpo_traj": {"h_ini": None}})
-    assert checkpoint_state.restore_state(str(tmp_path / "global_step_4"), algorithm) == {"gtpo_traj.h_ini": 0.4375}
-    assert traj_adapter.current_h_ini() == 0.4375
+    restored = checkpoint_state.restore_state(str(tmp_path / "global_step_4"), algorithm, resumed)
+    assert restored == {"gtpo_traj.h_ini": 0.4375}
+    assert resumed == {"gtpo_traj": {"h_ini": 0.4375}}
 
 
-def test_explicit_h_ini_wins_and_missing_state_restores_nothing(tmp_path, clean_h_ini):
-    traj_adapter.set_h_ini(0.4)
-    checkpoint_state.save_state(str(tmp_path / "global_step_2"), 2)
-    traj_adapter.reset_h_ini()
+def test_explicit_h_ini_wins_and_missing_state_restores_nothing(tmp_path):
+    saved = {"gtpo_traj": {"h_ini": 0.4}}
+    checkpoint_state.save_state(str(tmp_path / "global_step_2"), 2, saved)
+    resumed = checkpoint_state.new_state()
     explicit = OmegaConf.create({"gtpo_traj": {"h_ini": 1.5}})
-    assert checkpoint_state.restore_state(str(tmp_path / "global_step_2"), explicit) == {}
-    assert traj_adapter.current_h_ini() is None
-    assert checkpoint_state.restore_state(str(tmp_path / "no_such_step"), explicit) == {}
+    assert checkpoint_state.restore_state(str(tmp_path / "global_step_2"), explicit, resumed) == {}
+    assert resumed == {"gtpo_traj": {"h_ini": None}}
+    assert checkpoint_state.restore_state(str(tmp_path / "no_such_step"), explicit, resumed) == {}
     (tmp_path / "global_step_2" / checkpoint_state.STATE_FILE).write_text('{"format": 99}')
     with pytest.raises(ValueError, match="format=99"):
-        checkpoint_state.restore_state(str(tmp_path / "global_step_2"), explicit)
+        checkpoint_state.restore_state(str(tmp_path / "global_step_2"), explicit, resumed)
 
 
-def test_restored_h_ini_feeds_the_estimator_on_a_resumed_step(tmp_path, clean_h_ini):
-    """Without the restore, step 5 of a resumed run raises; with it, the gate uses the saved value."""
+def _traj_kwargs(entropy: float, global_steps: int) -> dict:
     import numpy as np
     import torch
 
-    mask = torch.ones(2, 3, dtype=torch.long)
-    kwargs = dict(
+    return dict(
         token_level_rewards=torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]),
-        response_mask=mask,
+        response_mask=torch.ones(2, 3, dtype=torch.long),
         index=np.array(["u", "u"], dtype=object),
         config=OmegaConf.create({"gtpo_traj": {"variant": "paper"}}),
-        entropy=torch.full((2, 3), 2.0),
+        entropy=torch.full((2, 3), entropy),
         responses=torch.tensor([[1, 2, 3], [1, 2, 4]]),
-        global_steps=5,
+        global_steps=global_steps,
     )
+
+
+def test_restored_h_ini_feeds_the_estimator_on_a_resumed_step(tmp_path):
+    """Without the restore, step 5 of a resumed run raises; with it, the gate uses the saved value."""
+    kwargs = _traj_kwargs(entropy=2.0, global_steps=5)
+    resumed = checkpoint_state.new_state()
     with pytest.raises(ValueError, match="gtpo_state.json"):
-        traj_adapter.compute_gtpo_traj_advantage(**kwargs)
-    traj_adapter.set_h_ini(0.25)
-    checkpoint_state.save_state(str(tmp_path / "global_step_4"), 4)
-    traj_adapter.reset_h_ini()
-    checkpoint_state.restore_state(str(tmp_path / "global_step_4"), kwargs["config"])
+        traj_adapter.compute_gtpo_traj_advantage(**kwargs, state=resumed["gtpo_traj"])
+    checkpoint_state.save_state(str(tmp_path / "global_step_4"), 4, {"gtpo_traj": {"h_ini": 0.25}})
+    checkpoint_state.restore_state(str(tmp_path / "global_step_4"), kwargs["config"], resumed)
     metrics: dict = {}
-    traj_adapter.compute_gtpo_traj_advantage(**kwargs, metrics=metrics)
+    traj_adapter.compute_gtpo_traj_advantage(**kwargs, metrics=metrics, state=resumed["gtpo_traj"])
     assert metrics["gtpo_traj/h_ini"] == 0.25
     assert metrics["gtpo_traj/filter_on"] == 1.0  # 0.25 <= ln 2: filtering on, every completion (H = 2) dropped
     assert metrics["gtpo_traj/filtered_traj_frac"] == 1.0
+
+
+def test_two_trainers_in_one_process_keep_their_own_h_ini(tmp_path):
+    """Each trainer measures ``<H>_ini`` into its own state, saves and restores its own: nothing is shared."""
+    import gtpo.verl_plugin.register  # noqa: F401  (the estimator verl's registry hands the trainer)
+    from gtpo.trainer.modes import GTPOTrainerSync
+
+    first, second = (GTPOTrainerSync.__new__(GTPOTrainerSync) for _ in range(2))
+    assert first.recipe_state is first.recipe_state and first.recipe_state is not second.recipe_state
+    traj_adapter.compute_gtpo_traj_advantage(**_traj_kwargs(0.5, 1), state=first.recipe_state.get("gtpo_traj"))
+    assert first.recipe_state == {"gtpo_traj": {"h_ini": 0.5}}
+    assert second.recipe_state == {"gtpo_traj": {"h_ini": None}}
+    traj_adapter.compute_gtpo_traj_advantage(**_traj_kwargs(1.25, 1), state=second.recipe_state.get("gtpo_traj"))
+    assert (first.recipe_state["gtpo_traj"]["h_ini"], second.recipe_state["gtpo_traj"]["h_ini"]) == (0.5, 1.25)
+    # what each one's checkpoint callback writes is its own value
+    for name, trainer in (("a", first), ("b", second)):
+        callback = checkpoint_state.StateAfterSave(_NoCallback(), trainer.recipe_state)
+        callback.on_save(trainer=trainer, global_step=3, checkpoint_dir=str(tmp_path / name / "global_step_3"))
+    assert checkpoint_state.read_state(str(tmp_path / "a" / "global_step_3"))["gtpo_traj"] == {"h_ini": 0.5}
+    assert checkpoint_state.read_state(str(tmp_path / "b" / "global_step_3"))["gtpo_traj"] == {"h_ini": 1.25}
+
+
+class _NoCallback:
+    def on_save(self, **kwargs) -> None:
+        pass

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from gtpo.reward.extract import MAX_ANSWER_CHARS, extract_answer, last_boxed, normalize_for_vote
+from gtpo.reward.extract import MAX_ANSWER_CHARS, clean_answer, extract_answer, last_boxed, normalize_for_vote
 from gtpo.reward.math import (
     GRADE_STATUSES,
     RESULT_KEYS,
@@ -155,7 +155,38 @@ def test_extraction_helpers():
     assert normalize_for_vote(r"\dfrac{1}{2}") == normalize_for_vote(r"\frac{1}{2}") == r"\frac{1}{2}"
     assert normalize_for_vote(r"\left( 1, 2 \right)") == "(1,2)"
     assert normalize_for_vote(r"10\text{ cm}") == "10cm"
+    assert normalize_for_vote(r"\text {5}") == normalize_for_vote(r"\text{ 5 }") == normalize_for_vote("5") == "5"
     assert normalize_for_vote(None) == ""
+
+
+@pytest.mark.parametrize(
+    "answer,vote",
+    [
+        ("", ""),
+        (r"\tfrac{1}{2}", r"\frac{1}{2}"),
+        (r"\text{5.50}", "5.50"),
+        (r"\textbf{5}", "5"),
+        (r"\mathrm{m}", "m"),
+        (r"\mbox{x}", "x"),
+        (r"\text{a}+\text{b}", "a+b"),
+        (r"\text{\frac{1}{2}}", r"\text{\frac{1}{2}}"),  # only a command around plain text is unwrapped
+        (r"\textrm{5}", r"\textrm{5}"),
+        (r"x\text{ }", "x"),
+        (r"90^\circ", "90"),
+        (r"90^{\circ}", "90"),
+        (r"\displaystyle 5", "5"),
+        (r"1\,000", "1000"),
+        (r"1\!2", "12"),
+        (r"a\;b\:c\ d", "abcd"),
+        (r"\left[ 1, 2 \right)", "[1,2)"),
+        ("5.", "5"),
+        ("5 ;.", "5"),
+        ("0.5", "0.5"),
+        ("1/2", "1/2"),
+    ],
+)
+def test_normalize_for_vote(answer, vote):
+    assert normalize_for_vote(answer) == vote
 
 
 def test_hard_kill_when_soft_alarm_cannot_fire():
@@ -419,12 +450,92 @@ def test_lenient_grades_right_what_strict_grades_right(response, gold):
         (r"\boxed{\text{5.5}}", "5.50", True),
         (r"\boxed{\text{6.50}}", "5.50", False),  # the number, not a pass for anything in \text{}
         (r"\boxed{\text{5.50 dollars}}", "5.50", False),  # only a lone number is unwrapped
+        (r"\boxed{\text{-5.50}}", "-5.5", True),
+        (r"\boxed{\text{5.50}}", "-5.50", False),
+        (r"\boxed{\text{5.}}", "5", True),
+        (r"\boxed{\text{3}\sqrt{2}}", "3", False),  # a number in \text{} beside more maths is not the whole answer
+        (r"Answer: $\text{5.50}$", "5.50", True),
+        (r"Answer: $\text{5.50}$.", "5.50", True),
+        (r"\boxed{\text{ 5.50 }}", "5.5", True),
+        (r"\boxed{\text{5.50\%}}", "5.5", True),
+        (r"\boxed{\text{5.50}\%}", "5.5", True),
+        (r"\boxed{\text{1,000}}", "1000", True),
+        (r"\boxed{\mathrm{5.50}}", "5.5", True),
+        (r"\boxed{\text{\$5.50}}", "5.50", True),  # the dollar sign goes before the number is unwrapped
+        (r"\boxed{\$\text{5.50}}", "5.50", True),
+        (r"\boxed{\text{\$6.50}}", "5.50", False),
     ],
 )
 def test_a_number_in_text_or_bold_type_is_graded_as_the_number(response, gold, acc):
     for mode in ("strict", "lenient"):
         out = compute_score("math", response, gold, extraction=mode, timeout_s=6)
         assert out["acc"] is acc, (mode, out)
+
+
+@pytest.mark.parametrize(
+    "answer,cleaned",
+    [
+        ("5", "5"),
+        (" $5$ ", "5"),
+        ("$$ 5 $$", "5"),
+        (r"\( 5 \)", "5"),
+        (r"\[5\]", "5"),
+        ("$5.$", "5"),
+        (r"** \(5\) **", "5"),
+        ("**5**", "5"),
+        ("** 5", "5"),  # what "**Answer:** 5" leaves after the colon
+        (r"\(\)", ""),
+        ("50%", "50"),
+        (r"50\%", "50"),
+        (r"\$5.50", "5.50"),
+        ("5$", "5"),
+        ("5.", "5"),
+        ("5,", "5"),
+        ("5;", "5"),
+        ("5。", "5"),
+        ("5 .", "5"),
+        ("5 ;.", "5"),
+        ("5 $", "5"),
+        (r"\text{5.50}", "5.50"),
+        (r"\textbf{5.50}", "5.50"),
+        (r"\textrm{5.50}", "5.50"),
+        (r"\mathrm{5.50}", "5.50"),
+        (r"\mathbf{5.50}", "5.50"),
+        (r"\mbox{5.50}", "5.50"),
+        (r"\text{-5.50}", "-5.50"),
+        (r"\text{+5}", "+5"),
+        (r"\text{.5}", ".5"),
+        (r"\text{5.}", "5"),
+        (r"\text{1,000}", "1,000"),
+        (r"\text{1,000,}", "1,000"),
+        (r"\text{ 5.50 }", "5.50"),
+        (r"\text{5.50\%}", "5.50"),
+        (r"\text{5.50%}", "5.50"),
+        (r"\text{5.50 \%}", "5.50"),
+        (r"\text{\$5.50}", "5.50"),
+        (r"\text{\$ 5.50}", "5.50"),
+        (r"\$\text{5.50}", "5.50"),
+        (r"$ \text{5.50} $", "5.50"),
+        (r"$\text{5.50}$.", "5.50"),
+        (r"\text{5.50}.", "5.50"),
+        (r"**\text{5}**", "5"),
+        # not a lone number in one command: left as written
+        (r"\text{3}\sqrt{2}", r"\text{3}\sqrt{2}"),
+        (r"2\text{3}", r"2\text{3}"),
+        (r"\text{5.50 dollars}", r"\text{5.50 dollars}"),
+        (r"\text{5-3}", r"\text{5-3}"),
+        (r"\text{x}", r"\text{x}"),
+        (r"\text{}", r"\text{}"),
+        (r"\texttt{5}", r"\texttt{5}"),
+        (r"\text{5}\text{6}", r"\text{5}\text{6}"),
+        (r"\text{,5}", r"\text{,5}"),
+        (r"\text{5..5}", r"\text{5..5}"),
+        (r"\text{1.2.3}", r"\text{1.2.3}"),
+        (r"\text{--5}", r"\text{--5}"),
+    ],
+)
+def test_clean_answer(answer, cleaned):
+    assert clean_answer(answer) == cleaned
 
 
 def test_math500_reference_solutions_are_correct_in_both_modes(shared_data):

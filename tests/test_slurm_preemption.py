@@ -1,4 +1,4 @@
-"""scripts/slurm/ray_on_slurm.sbatch under a real Slurm 22.05 (one node on this host: tests/slurm_support.py).
+"""scripts/slurm/ray_on_slurm.sbatch under a real Slurm 22.05 (one node on this host: tests/support/slurm.py).
 
     .venv/bin/python -m pytest -n 0 -q tests/test_slurm_preemption.py
 
@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 
 from gtpo.trainer.checkpoints import TRACKER_FILE
-from tests.e2e_support import read_metrics
-from tests.slurm_support import LocalSlurm, missing_tools
+from tests.support.e2e import read_metrics
+from tests.support.slurm import LocalSlurm, missing_tools
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "scripts" / "slurm" / "ray_on_slurm.sbatch"
@@ -237,13 +237,13 @@ def test_a_shortened_time_limit_saves_requeues_and_resumes(slurm, ray_cluster, t
     """The CPU trainer at world size two under colocate_async, stopped by its deadline, requeued and resumed."""
     from gtpo.cpu import env as cpu_env
     from gtpo.cpu.demo import build_demo_assets
-    from tests.test_e2e_vllm import LAUNCHER, _cpu_args, _launcher_env
+    from tests.support.launch import LAUNCHER, cpu_args, launcher_env
 
     ray_cluster.wait_until_free()  # one trainer at a time on this host
     assets = build_demo_assets(seed=0)
     ckpt = tmp_path / "ckpt"
     metrics_path = tmp_path / "run.metrics.jsonl"
-    env = _launcher_env(tmp_path, assets, {"ALLOW_HOME_PATHS": "1", "CKPTS_DIR": str(ckpt)})
+    env = launcher_env(tmp_path, assets, {"ALLOW_HOME_PATHS": "1", "CKPTS_DIR": str(ckpt)})
     env.pop("DRY_RUN")
     env.update(cpu_env(base=env))
     # the job's own Ray token and address: none of the local cluster's RAY_* (RAY_AUTH_MODE=disabled, RAY_ADDRESS)
@@ -253,7 +253,7 @@ def test_a_shortened_time_limit_saves_requeues_and_resumes(slurm, ray_cluster, t
     env.update(LAUNCH_SCRIPT=str(LAUNCHER), GPUS_PER_NODE="2", VERL_FILE_LOGGER_PATH=str(metrics_path))
     total = 5
     args = [
-        "trainer=colocate_async", *_cpu_args(assets), f"trainer.total_training_steps={total}",
+        "trainer=colocate_async", *cpu_args(assets), f"trainer.total_training_steps={total}",
         "trainer.resume_mode=auto", "trainer.logger=[console,file]",
         # joining the job's Ray cluster, which the script started
         "ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null",

@@ -88,7 +88,7 @@ def test_the_entry_point_skips_it_before_ray_starts(ray_dir, monkeypatch):
     """``prepare_config`` of a real run (what runs before verl's ``run_ppo``); a dry run starts no Ray."""
     import gtpo.verl_plugin.register  # noqa: F401
     from recipe.gtpo.main_gtpo import prepare_config
-    from tests.test_configs import compose
+    from tests.support.configs import compose
 
     for key in [k for k in os.environ if k.startswith("RAY_AUTH")]:
         monkeypatch.delenv(key)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from tests.test_configs import compose
+from tests.support.configs import compose
 
 
 def make_trainer(overrides: list[str]):
@@ -118,3 +118,35 @@ def test_advantage_step_feeds_entropy_and_tokens_and_skips_padding_rows():
     expected_metrics.pop("gtpo/kernel_compile_s", None)
     assert metrics == expected_metrics
     assert "gtpo/conflict_token_frac" in metrics and metrics["gtpo/frac_groups_all_wrong"] == 0.0
+
+
+def test_advantage_step_keeps_h_ini_in_each_trainers_own_state():
+    """gtpo_traj's ini gate measures ``<H>_ini`` into the state of the trainer whose step ran: two trainers in one
+    process measure their own first batches (mean entropy 0.5 and 1.25 on every token) and keep them."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    from tensordict import TensorDict
+    from verl.protocol import DataProto
+
+    def step(trainer, entropy: float) -> dict:
+        mask = torch.ones(4, 3)
+        rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+        fields = {"token_level_rewards": rewards, "response_mask": mask, "entropy": torch.full((4, 3), entropy)}
+        fields["responses"] = torch.tensor([[1, 2, 3], [1, 2, 4], [5, 6, 7], [5, 6, 8]])
+        uid = np.array(["a", "a", "b", "b"], dtype=object)
+        data = DataProto(batch=TensorDict(fields, batch_size=4), non_tensor_batch={"uid": uid})
+        metrics: dict = {}
+        trainer._recipe_advantages(data, SimpleNamespace(tags=[{}] * 4), metrics)
+        return metrics
+
+    overrides = ["method=gtpo_traj", "algorithm.gtpo_traj.variant=paper", "actor_rollout_ref.rollout.n=2"]
+    first, second = make_trainer(overrides), make_trainer(overrides)
+    first.global_steps = second.global_steps = 1
+    assert step(first, 0.5)["gtpo_traj/h_ini"] == 0.5
+    assert step(second, 1.25)["gtpo_traj/h_ini"] == 1.25
+    first.global_steps = 2
+    assert step(first, 3.0)["gtpo_traj/h_ini"] == 0.5  # measured once: a later batch does not re-measure
+    assert first.recipe_state == {"gtpo_traj": {"h_ini": 0.5}}
+    assert second.recipe_state == {"gtpo_traj": {"h_ini": 1.25}}

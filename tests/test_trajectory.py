@@ -17,12 +17,9 @@ import torch
 from gtpo.algorithms.conflict_tokens import conflict_counts, conflict_weights
 from gtpo.algorithms.trajectory import centred_advantages, entropy_filter, gtpo_traj_advantages
 from gtpo.algorithms.trajectory_params import LN2, GTPOTrajParams
+from tests.support.estimators import random_traj_batch, response_mask
 
 A, B, C, D, X = 11, 12, 13, 14, 15
-
-
-def _mask(lengths, width):
-    return (torch.arange(width)[None, :] < torch.as_tensor(lengths)[:, None]).long()
 
 
 def _rows(seqs, pad=0):
@@ -30,7 +27,7 @@ def _rows(seqs, pad=0):
     ids = torch.full((len(seqs), width), pad, dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s)
-    return ids, _mask([len(s) for s in seqs], width)
+    return ids, response_mask([len(s) for s in seqs], width)
 
 
 def _cw(seqs, gid, pol, lam_pos=2.0, lam_neg=0.0):
@@ -150,7 +147,7 @@ def test_vectorised_matches_loop_reference(seed):
         gid = gid[torch.randperm(len(gid))]  # shuffled rows
         bsz, width, vocab = len(gid), rng.randint(1, 9), rng.randint(1, 3)  # tiny vocab: many coincidences
         lengths = torch.randint(0, width + 1, (bsz,))
-        mask = _mask(lengths, width)
+        mask = response_mask(lengths, width)
         if rng.random() < 0.3:  # holes inside responses (multi-turn tool tokens)
             mask = mask * (torch.rand(bsz, width) > 0.2).long()
         ids = torch.randint(0, vocab, (bsz, width))
@@ -556,7 +553,7 @@ def test_adapter_measures_h_ini_once_and_refuses_unmeasured_resume():
 
     rewards, m, index, ids = _adapter_inputs()
     cfg = OmegaConf.create({"adv_estimator": "gtpo_traj", "gtpo_traj": {"variant": "paper"}})
-    adapter.reset_h_ini()
+    state = {"h_ini": None}  # the trainer's gtpo_traj block
     ent = torch.full(m.shape, 0.3)
     metrics = {}
     adv, ret = adapter.compute_gtpo_traj_advantage(
@@ -568,17 +565,32 @@ def test_adapter_measures_h_ini_once_and_refuses_unmeasured_resume():
         responses=ids,
         metrics=metrics,
         global_steps=1,
+        state=state,
     )
-    assert adapter.current_h_ini() == pytest.approx(0.3)
+    assert state == {"h_ini": pytest.approx(0.3)}
     for key in ("gtpo_traj/conflict_token_frac", "gtpo_traj/filtered_traj_frac", "gtpo_traj/h_ini"):
         assert key in metrics and isinstance(metrics[key], float)
     assert torch.all(adv[m == 0] == 0) and torch.equal(adv, ret)
-    # A later batch with higher entropy does not re-measure.
+    # A later batch with higher entropy does not re-measure: the gate uses the value in the state.
+    metrics = {}
     adapter.compute_gtpo_traj_advantage(
-        token_level_rewards=rewards, response_mask=m, index=index, config=cfg, entropy=ent * 5, responses=ids
+        token_level_rewards=rewards,
+        response_mask=m,
+        index=index,
+        config=cfg,
+        entropy=ent * 5,
+        responses=ids,
+        metrics=metrics,
+        state=state,
     )
-    assert adapter.current_h_ini() == pytest.approx(0.3)
-    adapter.reset_h_ini()
+    assert state == {"h_ini": pytest.approx(0.3)} and metrics["gtpo_traj/h_ini"] == pytest.approx(0.3)
+    # Without a state a call measures its own batch and keeps nothing.
+    metrics = {}
+    adapter.compute_gtpo_traj_advantage(
+        token_level_rewards=rewards, response_mask=m, index=index, config=cfg, entropy=ent * 5, responses=ids,
+        metrics=metrics,
+    )  # fmt: skip
+    assert metrics["gtpo_traj/h_ini"] == pytest.approx(1.5) and state == {"h_ini": pytest.approx(0.3)}
     with pytest.raises(ValueError, match="resumed"):
         adapter.compute_gtpo_traj_advantage(
             token_level_rewards=rewards,
@@ -588,6 +600,7 @@ def test_adapter_measures_h_ini_once_and_refuses_unmeasured_resume():
             entropy=ent,
             responses=ids,
             global_steps=7,
+            state={"h_ini": None},
         )
     # An explicit h_ini needs no measurement.
     cfg2 = OmegaConf.create({"gtpo_traj": {"h_ini": 1.5}})
@@ -603,7 +616,6 @@ def test_adapter_measures_h_ini_once_and_refuses_unmeasured_resume():
         global_steps=7,
     )
     assert metrics["gtpo_traj/h_ini"] == 1.5 and metrics["gtpo_traj/filter_on"] == 0.0
-    adapter.reset_h_ini()
 
 
 def test_adapter_row_order_invariance():
@@ -632,29 +644,12 @@ def test_adapter_row_order_invariance():
 # ------------------------------------------------------------------------- the compiled kernel vs the definition
 
 
-def _random_traj_batch(seed):
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    sizes = [rng.randint(1, 6) for _ in range(rng.randint(2, 6))]
-    gid = torch.tensor([g for g, s in enumerate(sizes) for _ in range(s)])
-    gid = gid[torch.randperm(len(gid), generator=gen)]
-    bsz, width = len(gid), rng.randint(3, 12)
-    lengths = torch.randint(0, width + 1, (bsz,), generator=gen)
-    mask = _mask(lengths, width)
-    if seed % 3 == 2:
-        mask = mask * (torch.rand(bsz, width, generator=gen) > 0.2).long()
-    ids = torch.randint(0, 2, (bsz, width), generator=gen)
-    ent = torch.where(mask.bool(), torch.rand(bsz, width, generator=gen) * 1.2, float("nan"))
-    scores = torch.randint(0, 2, (bsz,), generator=gen).float()
-    return scores, mask, ids, ent, gid, len(sizes)
-
-
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("variant", ["paper", "code"])
 def test_kernel_matches_definition(seed, variant):
     from gtpo.algorithms.trajectory import gtpo_traj_reference
 
-    scores, mask, ids, ent, gid, ng = _random_traj_batch(seed)
+    scores, mask, ids, ent, gid, ng = random_traj_batch(seed)
     overrides = {"nconf_count": "union"} if seed % 2 else {"skip_zero_adv_groups": not (variant == "paper")}
     params = GTPOTrajParams(variant=variant, tau=0.6 if seed % 4 else math.inf, lam_neg=0.5 * (seed % 3), **overrides)
     h_ini = 0.5 if seed % 4 == 1 else None
@@ -674,7 +669,7 @@ def test_kernel_matches_definition(seed, variant):
 def test_kernel_conflict_runs_match_the_loop_reference():
     """The kernel's conflict runs against the slow transcription of §6.2 (holes in the masks, unequal groups)."""
     for trial in range(40):
-        scores, mask, ids, ent, gid, ng = _random_traj_batch(100 + trial)
+        scores, mask, ids, ent, gid, ng = random_traj_batch(100 + trial)
         params = _params(lam_pos=2.0, lam_neg=0.5)
         out = gtpo_traj_advantages(scores, mask, ids, ent, gid, ng, params)
         ref_lam, ref_conf = _slow_reference(ids, mask, gid, out.polarity, 2.0, 0.5)
@@ -684,10 +679,10 @@ def test_kernel_conflict_runs_match_the_loop_reference():
 
 @pytest.mark.parametrize("kernel", [True, False])
 def test_nan_entropy_on_a_valid_token_raises(monkeypatch, kernel):
-    from gtpo.algorithms import kernel_support
+    from gtpo.algorithms import kernel_dispatch
 
     if not kernel:  # numba missing: the definition runs, with the same check
-        monkeypatch.setattr(kernel_support, "_MODULES", {"trajectory_kernel": None})
+        monkeypatch.setattr(kernel_dispatch, "_OFF", {"trajectory_kernel"})
     ids, m, gid, scores = _example_batch()
     ent = torch.where(m.bool(), torch.rand(m.shape), float("nan"))  # NaN padding is fine
     gtpo_traj_advantages(scores, m, ids, ent, gid, 2, _params())

@@ -16,8 +16,8 @@ from PIL import Image
 
 from gtpo.viz.heatmap_style import display_text, fmt_value
 from gtpo.viz.tokens import render_tokens
-from tests.browser_support import Browser
-from tests.test_viz_tokens import RESPONSES, dump  # noqa: F401  (the token-dump fixture)
+from tests.support.browser import Browser
+from tests.support.viz import RESPONSES, write_dump
 
 CHROMIUM = Browser.find()
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on PATH (apt-get install chromium)")
@@ -44,8 +44,8 @@ def browser():
 
 
 @pytest.fixture()
-def page(browser, dump, tmp_path):  # noqa: F811
-    html_path = render_tokens(dump, tmp_path / "heatmap", png=False)["html"]
+def page(browser, tmp_path):
+    html_path = render_tokens(write_dump(tmp_path), tmp_path / "heatmap", png=False)["html"]
     browser.open(html_path)
     return browser
 

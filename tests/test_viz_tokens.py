@@ -28,73 +28,14 @@ from gtpo.viz.tokens import (
     token_records,
     write_token_dump,
 )
+from tests.support.viz import RESPONSES, ByteTokenizer, padded_responses, write_dump
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-class ByteTokenizer:
-    """One token per UTF-8 byte (ids 0..255): multi-byte characters split across tokens, as in byte-level BPE."""
-
-    def encode(self, text, add_special_tokens=False):
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids, skip_special_tokens=False):
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-
-# Each response is a list of token strings (ASCII, so one byte = one token) with hand-picked per-token values.
-RESPONSES = [
-    # uid, token texts, advantages, entropies, score
-    (
-        "p0",
-        ["x", "<", "b", ">", "&", "\n", "y"],
-        [0.0, 0.5, 1.0, 2.0, 0.0, 0.25, 0.0],
-        [0.1, 0.2, 0.4, 0.8, 1.6, 0.02, 3.2],
-        1.0,
-    ),
-    ("p0", ["a", " ", "b", "c"], [-0.5, -1.0, -2.5, 0.0], [0.01, 0.5, 1.0, 1.5], -1.0),
-    ("p1", ["q", "\t", "r"], [-0.25, 0.0, 0.75], [2.0, 1.0, 0.5], -1.0),
-    ("p0", ["z", "z"], [1.5, 1.5], [0.3, 0.3], 1.0),
-    ("p1", ["'", '"', "k"], [0.1, -0.1, 0.0], [0.05, 0.15, 0.25], 1.0),
-]
-
-
-def _padded(pad_len: int = 10):
-    """Right-padded [B, L] tensors; padding holds junk (id 0, advantage 99, entropy 99) that must never show."""
-    b = len(RESPONSES)
-    ids = np.zeros((b, pad_len), dtype=np.int64)
-    mask = np.zeros((b, pad_len), dtype=np.int64)
-    adv = np.full((b, pad_len), 99.0)
-    ent = np.full((b, pad_len), 99.0)
-    token_scores = np.zeros((b, pad_len))
-    for r, (_, toks, a, h, score) in enumerate(RESPONSES):
-        n = len(toks)
-        ids[r, :n] = [ord(t) for t in toks]
-        mask[r, :n] = 1
-        adv[r, :n] = a
-        ent[r, :n] = h
-        token_scores[r, n - 1] = score  # verl puts the sequence reward on the last response token
-    token_scores[:, -1] += 5.0 * (1 - mask[:, -1])  # junk on padding, excluded by the mask
-    uids = np.array([u for u, *_ in RESPONSES], dtype=object)
-    return ids, mask, adv, ent, token_scores, uids
-
-
 @pytest.fixture()
 def dump(tmp_path: Path) -> Path:
-    ids, mask, adv, ent, scores, uids = _padded()
-    recs = token_records(
-        step=7,
-        uids=uids,
-        responses=ids,
-        response_mask=mask,
-        tokenizer=ByteTokenizer(),
-        advantages=adv,
-        entropy=ent,
-        scores=scores,
-        prompts=[f"prompt of {u} <x>" for u in uids],
-        keys=[f"{u}_0_{i}" for i, u in enumerate(uids)],
-    )
-    return write_token_dump(recs, tmp_path / "rollouts" / "tokens_7.jsonl")
+    return write_dump(tmp_path)
 
 
 class _Page(HTMLParser):
@@ -162,7 +103,7 @@ def _by_key(page: _Page) -> dict[str, list[dict]]:
 
 
 def test_token_records_drop_padding_and_keep_values():
-    ids, mask, adv, ent, scores, uids = _padded()
+    ids, mask, adv, ent, scores, uids = padded_responses()
     recs = token_records(
         step=3,
         uids=uids,
@@ -200,7 +141,7 @@ def test_token_records_drop_padding_and_keep_values():
 
 def test_token_records_max_groups_and_torch_input():
     torch = pytest.importorskip("torch")
-    ids, mask, adv, ent, scores, uids = _padded()
+    ids, mask, adv, ent, scores, uids = padded_responses()
     recs = token_records(
         step=0,
         uids=list(uids),
@@ -281,7 +222,7 @@ def test_records_from_batch_reads_transferqueue_fields():
     ],
 )
 def test_token_records_rejects_bad_shapes(kw, msg):
-    ids, mask, adv, ent, scores, uids = _padded()
+    ids, mask, adv, ent, scores, uids = padded_responses()
     args = {"step": 0, "uids": uids, "responses": ids, "response_mask": mask, "tokenizer": ByteTokenizer()}
     args.update(kw)
     with pytest.raises(ValueError, match=msg):

@@ -13,7 +13,7 @@ import pytest
 from gtpo.cpu import cluster
 from gtpo.cpu.demo_trainer import BATCH_ROWS, MINI_BATCH_ROWS, world_overrides
 from gtpo.launch.batch_checks import check_micro_batches
-from tests.test_configs import compose
+from tests.support.configs import compose
 
 # The CPU backend cuts micro-batches by tokens (use_dynamic_bsz, as the model presets); the row-count checks need the
 # fixed micro-batches back.

@@ -9,7 +9,7 @@ once (:mod:`gtpo.algorithms.shaping_inputs`) and hands them to
   the path of every CPU batch, i.e. of verl's driver), or
 - its definition, :mod:`gtpo.algorithms.gtpo_token` / :mod:`gtpo.algorithms.grpo_s` (float64 torch with the paper's
   equation numbers; the kernels' test oracle), for tensors on another device, or when numba is missing or a kernel
-  fails to compile (:mod:`gtpo.algorithms.kernel_support` warns once).
+  fails to compile (:func:`gtpo.algorithms.kernel_dispatch.kernel_guard` warns once).
 
 The knobs, what the paper settles and every deliberate deviation where it is silent (std convention, eps,
 zero-variance rule, negative base, negative-entropy tolerance, empty responses, single-response groups) are
@@ -23,7 +23,7 @@ import torch
 
 from gtpo.algorithms.grpo_s import grpo_s_reference
 from gtpo.algorithms.gtpo_token import gtpo_token_reference
-from gtpo.algorithms.kernel_support import kernel_failed, load_kernel
+from gtpo.algorithms.kernel_dispatch import kernel_guard, kernel_on
 from gtpo.algorithms.shaping_inputs import check_responses, check_token_values, shaping_bases, validate_with_params
 from gtpo.algorithms.shaping_params import GRPOSParams, GTPOParams
 
@@ -91,14 +91,13 @@ def gtpo_token_advantages(
         check_responses(responses, response_mask)
     correct = rewards.detach() > params.reward_threshold
     base = shaping_bases(rewards, correct, params.negative_base, reward_offset)
-    kernel = load_kernel("gtpo_token_kernel") if _on_cpu(entropy, response_mask, responses) else None
-    if kernel is not None:
-        try:
-            return kernel.gtpo_token_kernel(
+    if _on_cpu(entropy, response_mask, responses) and kernel_on("gtpo_token_kernel"):
+        with kernel_guard("gtpo_token_kernel"):  # numba missing or failing: the definition below
+            from gtpo.algorithms import gtpo_token_kernel
+
+            return gtpo_token_kernel.gtpo_token_kernel(
                 entropy, response_mask, correct.cpu(), base.cpu(), gid.cpu(), num_groups, params, responses
             )
-        except kernel.CompileError as err:
-            kernel_failed("gtpo_token_kernel", err)
     check_token_values(entropy, response_mask.to(entropy.device), params.neg_entropy_tol)
     return gtpo_token_reference(entropy, response_mask, rewards, gid, num_groups, params, reward_offset, responses)
 
@@ -143,13 +142,12 @@ def grpo_s_advantages(
     validate_with_params(params, entropy, response_mask, rewards, gid, num_groups, reward_offset, check_tokens=False)
     correct = rewards.detach() > params.reward_threshold
     base = shaping_bases(rewards, correct, params.negative_base, reward_offset)
-    kernel = load_kernel("grpo_s_kernel") if _on_cpu(entropy, response_mask) else None
-    if kernel is not None:
-        try:
-            return kernel.grpo_s_kernel(
+    if _on_cpu(entropy, response_mask) and kernel_on("grpo_s_kernel"):
+        with kernel_guard("grpo_s_kernel"):  # numba missing or failing: the definition below
+            from gtpo.algorithms import grpo_s_kernel
+
+            return grpo_s_kernel.grpo_s_kernel(
                 entropy, response_mask, correct.cpu(), base.cpu(), gid.cpu(), num_groups, params
             )
-        except kernel.CompileError as err:
-            kernel_failed("grpo_s_kernel", err)
     check_token_values(entropy, response_mask.to(entropy.device), params.neg_entropy_tol)
     return grpo_s_reference(entropy, response_mask, rewards, gid, num_groups, params, reward_offset)

@@ -23,32 +23,29 @@ import math
 import numpy as np
 import torch
 from numba import njit
-from numba.core.errors import NumbaError
 
 from gtpo.algorithms.kernel_support import (
-    JIT_OPTIONS,
     as_numpy_mask,
     compile_timer,
+    jit_options,
     kernel_output,
     num_threads,
     run_blocks,
 )
 from gtpo.algorithms.shaping_inputs import check_token_values
 
-__all__ = ["grpo_s_kernel", "CompileError"]
-
-CompileError = NumbaError
+__all__ = ["grpo_s_kernel"]
 
 
-@njit(**JIT_OPTIONS)
-def _row_sums(H, M, lo, hi, tol, n, last, hsum, err):
+@njit(**jit_options())
+def _row_sums(entropy, mask, lo, hi, tol, n_valid, last, entropy_sum, errors):
     """Rows ``lo:hi``: valid count, last valid column and ``sum max(H, 0)`` over the valid tokens.
 
     ``err`` counts valid mask values other than 1, rows whose entropy sum is not finite, entropies below ``-tol``.
     """
-    length = H.shape[1]
+    length = entropy.shape[1]
     for i in range(lo, hi):  # the mask first, apart: one stream at a time runs faster than two interleaved
-        m_row = M[i]
+        m_row = mask[i]
         count = 0
         lst = -1
         bad = 0
@@ -58,12 +55,12 @@ def _row_sums(H, M, lo, hi, tol, n, last, hsum, err):
             count += valid
             bad += valid & (m != 1)
             lst = max(lst, t if valid else -1)
-        n[i] = count
+        n_valid[i] = count
         last[i] = lst
-        err[0] += bad
+        errors[0] += bad
     for i in range(lo, hi):
-        h_row = H[i]
-        count = n[i]
+        h_row = entropy[i]
+        count = n_valid[i]
         lst = last[i]
         total = 0.0  # raw sum: NaN / inf propagate into it
         below = 0.0  # sum of the negative values, taken back out of the total (clamped to 0)
@@ -75,35 +72,36 @@ def _row_sums(H, M, lo, hi, tol, n, last, hsum, err):
                 below += min(h, 0.0)
                 low += h < -tol
         else:
-            m_row = M[i]
+            m_row = mask[i]
             for t in range(lst + 1):
                 h = h_row[t] if m_row[t] != 0 else 0.0
                 total += h
                 below += min(h, 0.0)
                 low += h < -tol
-        hsum[i] = total - below
-        err[1] += not np.isfinite(total)
-        err[2] += low
+        entropy_sum[i] = total - below
+        errors[1] += not np.isfinite(total)
+        errors[2] += low
 
 
-@njit(**JIT_OPTIONS)
-def _sequence_advantages(hsum, n, neg, base, gid, num_groups, b1, b2, eps, joint, unbiased, rtol, hbar, shaped, adv):
+@njit(**jit_options())
+def _sequence_advantages(entropy_sum, n_valid, incorrect, base, group_of_row, num_groups, b1, b2, eps, joint, unbiased,
+                         rtol, hbar, shaped, adv):  # fmt: skip
     """Eq. 8, Eq. 9 and the group normalisation on ``[B]`` (empty rows take no part and keep 0)."""
-    b = n.shape[0]
+    b = n_valid.shape[0]
     count = np.zeros((2, num_groups))  # n, m per group
     sums = np.zeros((2, num_groups))  # sum_{O+} Hbar, sum_{O-} 1/(Hbar + eps)
     for i in range(b):
-        if n[i] == 0:
+        if n_valid[i] == 0:
             continue
-        hbar[i] = hsum[i] / n[i]
-        q = 1 if neg[i] else 0
-        count[q, gid[i]] += 1.0
-        sums[q, gid[i]] += 1.0 / (hbar[i] + eps) if q else hbar[i]
+        hbar[i] = entropy_sum[i] / n_valid[i]
+        q = 1 if incorrect[i] else 0
+        count[q, group_of_row[i]] += 1.0
+        sums[q, group_of_row[i]] += 1.0 / (hbar[i] + eps) if q else hbar[i]
     for i in range(b):
-        if n[i] == 0:
+        if n_valid[i] == 0:
             continue
-        j = gid[i]
-        if neg[i]:
+        j = group_of_row[i]
+        if incorrect[i]:
             shaped[i] = b1 * base[i] - b2 * (1.0 / (hbar[i] + eps)) / (sums[1, j] + eps) * count[1, j]
         else:
             shaped[i] = b1 * base[i] + b2 * hbar[i] / (sums[0, j] + eps) * count[0, j]
@@ -114,24 +112,24 @@ def _sequence_advantages(hsum, n, neg, base, gid, num_groups, b1, b2, eps, joint
     first = np.zeros((fields, num_groups))
     absum = np.zeros((fields, num_groups))
     for i in range(b):
-        if n[i] == 0:
+        if n_valid[i] == 0:
             continue
         for f in range(fields):
-            x = shaped[i] if joint or (f == 1) == neg[i] else 0.0
-            first[f, gid[i]] += x
-            absum[f, gid[i]] += abs(x)
+            x = shaped[i] if joint or (f == 1) == incorrect[i] else 0.0
+            first[f, group_of_row[i]] += x
+            absum[f, group_of_row[i]] += abs(x)
     mean = first / np.maximum(size, 1.0)
     second = np.zeros((fields, num_groups))
     for i in range(b):
-        if n[i] == 0:
+        if n_valid[i] == 0:
             continue
         for f in range(fields):
-            x = shaped[i] if joint or (f == 1) == neg[i] else 0.0
-            second[f, gid[i]] += (x - mean[f, gid[i]]) ** 2
+            x = shaped[i] if joint or (f == 1) == incorrect[i] else 0.0
+            second[f, group_of_row[i]] += (x - mean[f, group_of_row[i]]) ** 2
     for i in range(b):
-        j = gid[i]
-        f = 0 if joint or not neg[i] else 1
-        if n[i] == 0 or size[j] <= 1:
+        j = group_of_row[i]
+        f = 0 if joint or not incorrect[i] else 1
+        if n_valid[i] == 0 or size[j] <= 1:
             continue
         std = math.sqrt(second[f, j] / (size[j] - 1.0 if unbiased else size[j]))
         if std <= rtol * absum[f, j] / size[j]:
@@ -139,18 +137,18 @@ def _sequence_advantages(hsum, n, neg, base, gid, num_groups, b1, b2, eps, joint
         adv[i] = (shaped[i] - mean[f, j]) / (std + eps)
 
 
-@njit(**JIT_OPTIONS)
-def _broadcast(M, lo, hi, n, last, adv, out):
+@njit(**jit_options())
+def _broadcast(mask, lo, hi, n_valid, last, adv, out):
     """``out[i, t] = adv[i]`` on the valid tokens of rows ``lo:hi``, 0 on every other position of those rows."""
     length = out.shape[1]
     for i in range(lo, hi):
         a = adv[i]
         o = out[i]
-        if n[i] == last[i] + 1:
-            for t in range(n[i]):
+        if n_valid[i] == last[i] + 1:
+            for t in range(n_valid[i]):
                 o[t] = a
         else:
-            m_row = M[i]
+            m_row = mask[i]
             for t in range(last[i] + 1):
                 o[t] = a if m_row[t] != 0 else 0.0
         for t in range(last[i] + 1, length):
@@ -177,10 +175,10 @@ def grpo_s_kernel(entropy, response_mask, correct, base, gid, num_groups, params
 
 def _grpo_s(entropy, response_mask, correct, base, gid, num_groups, params):
     # float32 / float64 entropy is read as it is, other float types as float32
-    H = (entropy if entropy.dtype in (torch.float32, torch.float64) else entropy.float()).detach()
-    H = H.contiguous().numpy()
-    M = as_numpy_mask(response_mask)
-    b, length = H.shape
+    values = (entropy if entropy.dtype in (torch.float32, torch.float64) else entropy.float()).detach()
+    values = values.contiguous().numpy()
+    mask = as_numpy_mask(response_mask)
+    b, length = values.shape
     neg = (~correct).numpy()
     base = base.to(torch.float64).numpy()
     gid = gid.to(torch.long).numpy()
@@ -191,7 +189,7 @@ def _grpo_s(entropy, response_mask, correct, base, gid, num_groups, params):
     threads = num_threads(b)
     errs = [np.zeros(3, np.int64) for _ in range(threads)]
     tol = float(params.neg_entropy_tol)
-    run_blocks(_row_sums, b, threads, lambda lo, hi, w: (H, M, lo, hi, tol, n, last, hsum, errs[w]))
+    run_blocks(_row_sums, b, threads, lambda lo, hi, w: (values, mask, lo, hi, tol, n, last, hsum, errs[w]))
     if sum(errs).any():
         check_token_values(entropy, response_mask, tol)
         raise ValueError("entropy / response_mask failed a consistency check")  # pragma: no cover
@@ -201,7 +199,7 @@ def _grpo_s(entropy, response_mask, correct, base, gid, num_groups, params):
                          params.std == "unbiased", float(params.zero_var_rtol), hbar, shaped, adv_seq)  # fmt: skip
     out = kernel_output(b, length)
     o = out.numpy()
-    run_blocks(_broadcast, b, threads, lambda lo, hi, w: (M, lo, hi, n, last, adv_seq, o), n)
+    run_blocks(_broadcast, b, threads, lambda lo, hi, w: (mask, lo, hi, n, last, adv_seq, o), n)
     diag = _diagnostics(correct.numpy(), n > 0, gid, num_groups, base, hbar, shaped, adv_seq, b1, b2)
     return out, diag
 

@@ -1,21 +1,19 @@
-"""What the estimators' compiled CPU kernels share: loading them, the fallback, threads, compile time, outputs.
+"""What the estimators' compiled CPU kernels share: numba's options and cache, threads, compile time, outputs.
 
 Not an equation module. Each estimator has one numba kernel (``gtpo_token_kernel``, ``grpo_s_kernel``,
 ``trajectory_kernel``) beside its float64 torch definition (``gtpo_token``, ``grpo_s``, ``trajectory``); the estimator
-calls the kernel for CPU tensors and the definition otherwise. This module decides which:
+calls the kernel for CPU tensors and the definition otherwise, through :mod:`gtpo.algorithms.kernel_dispatch`. Every
+kernel module imports this one (and numba); nothing here imports numba at import time:
 
-- :func:`load_kernel` imports a kernel module on first use (so a process that never computes advantages, e.g. a
-  Ray actor worker that only registers the plugin, never imports numba). If numba is missing or the module fails to
-  import, it warns once and returns None; the estimator then evaluates its definition. A kernel that fails to compile
-  is reported through :func:`kernel_failed` the same way.
-- Compiled code is cached on disk (numba ``cache=True``): next to the module when the package directory is writable,
-  else numba's user-wide cache (``~/.cache/numba``); when neither is writable (a read-only image with a read-only
-  home), ``NUMBA_CACHE_DIR`` is pointed at a per-user folder under the temp directory. numba unpickles a cache's
-  index before any freshness check, so a folder someone else could write is code they choose: the folder numba
-  would pick must be this user's and writable by neither group nor others (:mod:`gtpo.private_files`), else the
-  temp folder is used; that one is created 0700, and if someone planted it in advance, a fresh ``mkdtemp`` folder
-  is used instead (with a warning: compiled once per process tree, not reused). An explicit ``NUMBA_CACHE_DIR``
-  always wins, unchecked: the user's choice.
+- Compiled code is cached on disk (numba ``cache=True``; :func:`jit_options` chooses the folder before the first
+  kernel is decorated): next to the module when the package directory is writable, else numba's user-wide cache
+  (``~/.cache/numba``); when neither is writable (a read-only image with a read-only home), ``NUMBA_CACHE_DIR`` is
+  pointed at a per-user folder under the temp directory. numba unpickles a cache's index before any freshness
+  check, so a folder someone else could write is code they choose: the folder numba would pick must be this user's
+  and writable by neither group nor others (:mod:`gtpo.private_files`), else the temp folder is used; that one is
+  created 0700, and if someone planted it in advance, a fresh ``mkdtemp`` folder is used instead (with a warning:
+  compiled once per process tree, not reused). An explicit ``NUMBA_CACHE_DIR`` always wins, unchecked: the user's
+  choice.
 - :class:`compile_timer` measures the time spent compiling (or loading from the cache) during one call; the
   estimators report it as ``<estimator>/kernel_compile_s`` on the call that paid it (the trainer's first step).
 - Threads: a kernel runs on ``torch.get_num_threads()`` threads (1 inside a Ray actor, which gets
@@ -25,8 +23,6 @@ calls the kernel for CPU tensors and the definition otherwise. This module decid
   (OpenMP / TBB / workqueue) is never started, so nothing competes with torch's OpenMP pool, nothing stays alive
   between calls and nothing can deadlock across a fork. The group scopes split whole groups, four shares per
   thread taken from a queue (:func:`row_shares`).
-- Row sums: :func:`row_sums` (the sequence rewards, the response lengths) sums over positions on the same threads,
-  not on torch's OpenMP pool, whose spinning threads would otherwise share the cores with the kernel that follows.
 - Outputs: :func:`kernel_output` gives the ``[B, L]`` float32 outputs, large ones advised for transparent huge
   pages and recycled once freed (writing fresh memory also faults in every page, which did not get faster with a
   second thread); the write passes therefore write every element, the zeros of padding included.
@@ -34,7 +30,6 @@ calls the kernel for CPU tensors and the definition otherwise. This module decid
 
 from __future__ import annotations
 
-import importlib
 import mmap
 import os
 import tempfile
@@ -44,20 +39,19 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from types import ModuleType
 
 import numpy as np
 import torch
 
 from gtpo.private_files import check_private_dir, private_dir
 
-__all__ = ["load_kernel", "kernel_failed", "compile_timer", "num_threads", "run_threads", "row_shares", "blocks",
-           "run_blocks", "kernel_output", "as_numpy_mask", "row_sums", "JIT_OPTIONS"]  # fmt: skip
+__all__ = ["jit_options", "compile_timer", "num_threads", "run_threads", "row_shares", "blocks", "run_blocks",
+           "kernel_output", "as_numpy_mask", "warn_once"]  # fmt: skip
 
-# Options of every njit kernel: cached on disk, GIL released, numpy's error model (no Python division-by-zero check,
-# which would stop LLVM from vectorising the loops) and the fast-math flags that allow reordering sums; never
-# 'nnan' / 'ninf', so NaN and inf entropies still propagate into the row sums that detect them.
-JIT_OPTIONS = {
+# Options of every njit kernel (:func:`jit_options`): cached on disk, GIL released, numpy's error model (no Python
+# division-by-zero check, which would stop LLVM from vectorising the loops) and the fast-math flags that allow
+# reordering sums; never 'nnan' / 'ninf', so NaN and inf entropies still propagate into the row sums that detect them.
+_JIT_OPTIONS = {
     "cache": True,
     "nogil": True,
     "error_model": "numpy",
@@ -67,11 +61,12 @@ JIT_OPTIONS = {
 # Outputs smaller than this come from numpy.empty; larger ones from recycled huge-page-advised memory.
 _HUGE_OUTPUT_BYTES = 8 << 20
 
-_MODULES: dict[str, ModuleType | None] = {}
 _WARNED: set[str] = set()
+_CACHE_READY = False
 
 
-def _warn_once(key: str, message: str) -> None:
+def warn_once(key: str, message: str) -> None:
+    """A ``RuntimeWarning`` once per process for each ``key``."""
     if key not in _WARNED:
         _WARNED.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -111,7 +106,7 @@ def cache_dir_for(candidates: Sequence[str], fallback: str) -> str | None:
         return str(private_dir(fallback, "numba cache"))
     except OSError as err:
         fresh = tempfile.mkdtemp(prefix=f"{os.path.basename(fallback)}-")
-        _warn_once("cache", f"numba cache: {err}; compiling into the fresh folder {fresh} instead")
+        warn_once("cache", f"numba cache: {err}; compiling into the fresh folder {fresh} instead")
         return fresh
 
 
@@ -134,30 +129,14 @@ def _ensure_cache_dir() -> None:
         pass
 
 
-def load_kernel(name: str) -> ModuleType | None:
-    """The kernel module ``gtpo.algorithms.<name>`` (imported once), or None after a warning when it cannot load."""
-    if name not in _MODULES:
-        try:
-            _ensure_cache_dir()
-            _MODULES[name] = importlib.import_module(f"gtpo.algorithms.{name}")
-        except Exception as err:  # noqa: BLE001 - numba missing or broken: the definition takes over
-            _MODULES[name] = None
-            _warn_once(
-                name,
-                f"{name}: compiled kernel unavailable ({type(err).__name__}: {err}); evaluating the float64 torch "
-                "definition instead (slower, more memory)",
-            )
-    return _MODULES[name]
-
-
-def kernel_failed(name: str, err: BaseException) -> None:
-    """Disable the kernel ``name`` for this process after it failed to compile (a warning once)."""
-    _MODULES[name] = None
-    _warn_once(
-        name,
-        f"{name}: compiled kernel failed ({type(err).__name__}: {err}); evaluating the float64 torch definition "
-        "instead (slower, more memory)",
-    )
+def jit_options() -> dict:
+    """The options of every ``njit`` kernel; the first call points numba's disk cache at a private folder
+    (:func:`_ensure_cache_dir`), before any decorator of a kernel module makes its cache."""
+    global _CACHE_READY
+    if not _CACHE_READY:
+        _ensure_cache_dir()
+        _CACHE_READY = True
+    return _JIT_OPTIONS
 
 
 class compile_timer:  # noqa: N801 - used as a context manager, like numba's own timers
@@ -311,26 +290,6 @@ def kernel_output(rows: int, cols: int) -> torch.Tensor:
     arr = np.frombuffer(buf, dtype=np.float32).reshape(rows, cols)
     weakref.finalize(arr, _OUTPUTS.give_back, buf)
     return torch.from_numpy(arr)
-
-
-# what the row-sum kernel reads as it is (bool as bytes); other dtypes are summed by torch
-_ROW_SUM_DTYPES = (torch.float32, torch.float64, torch.bool, torch.uint8, torch.int32, torch.int64)
-
-
-def row_sums(values: torch.Tensor) -> torch.Tensor:
-    """``values.sum(-1)`` of a ``[B, L]`` tensor, detached: the sequence reward of ``token_level_rewards``, the length
-    of ``response_mask``. On CPU it runs on the kernels' threads, not on torch's OpenMP pool
-    (:mod:`gtpo.algorithms.row_sums_kernel` says why); float inputs keep their dtype, others give float64.
-    """
-    x = values.detach()
-    if x.device.type == "cpu" and x.dim() == 2 and x.dtype in _ROW_SUM_DTYPES:
-        kernel = load_kernel("row_sums_kernel")
-        if kernel is not None:
-            try:
-                return kernel.row_sums(x)
-            except kernel.CompileError as err:
-                kernel_failed("row_sums_kernel", err)
-    return x.sum(-1, dtype=x.dtype if x.dtype.is_floating_point else torch.float64)
 
 
 def as_numpy_mask(mask: torch.Tensor) -> np.ndarray:

@@ -14,16 +14,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 from numba import njit
-from numba.core.errors import NumbaError
 
-from gtpo.algorithms.kernel_support import JIT_OPTIONS, as_numpy_mask, num_threads, run_blocks
+from gtpo.algorithms.kernel_support import as_numpy_mask, jit_options, num_threads, run_blocks
 
-__all__ = ["row_sums", "CompileError"]
-
-CompileError = NumbaError
+__all__ = ["row_sums"]
 
 
-@njit(**JIT_OPTIONS)
+@njit(**jit_options())
 def _row_sums(values, lo, hi, out):  # pragma: no cover - compiled
     length = values.shape[1]
     for i in range(lo, hi):

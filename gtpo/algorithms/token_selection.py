@@ -14,6 +14,10 @@ selected, so the selection depends only on the values (never on row order or sor
 permutation-invariant); the selected count is exactly ``k`` without ties and ``>= k`` with ties (bf16 entropies
 tie often; the adapter reports the realised fraction). The mask is a bool tensor built under ``no_grad``: no
 gradient flows through it.
+
+Under ``algorithm.forking.scope=batch`` the threshold is taken once over the whole training batch on the driver
+(:func:`batch_threshold_extra_info`) and handed to the actor workers' loss in ``batch.extra_info`` under
+:data:`THRESHOLD_KEY` and :data:`FRACTION_KEY`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ import math
 
 import torch
 
-__all__ = ["entropy_threshold", "top_entropy_mask"]
+__all__ = ["FRACTION_KEY", "THRESHOLD_KEY", "batch_threshold_extra_info", "entropy_threshold", "top_entropy_mask"]
+
+# The names the driver's whole-batch threshold and realised selected fraction travel under to the workers' loss.
+THRESHOLD_KEY = "forking_entropy_threshold"
+FRACTION_KEY = "forking_selected_frac"
 
 
 def _check_rho(rho: float) -> None:
@@ -81,3 +89,22 @@ def top_entropy_mask(
         tau = torch.as_tensor(threshold, dtype=torch.float32, device=entropy.device)
     mask = valid_b & (entropy.detach().to(torch.float32) >= tau)
     return mask, tau
+
+
+@torch.no_grad()
+def batch_threshold_extra_info(entropy: torch.Tensor, response_mask: torch.Tensor, rho: float) -> dict[str, float]:
+    """Driver side of ``scope=batch``: the whole batch's threshold and realised selected fraction.
+
+    Args:
+        entropy: ``[B, L]`` old-policy per-token entropy of the whole training batch (padded).
+        response_mask: ``[B, L]`` 0/1.
+        rho: kept fraction.
+
+    Returns:
+        ``{THRESHOLD_KEY: tau_B, FRACTION_KEY: n_sel / n_valid}`` to merge into ``batch.extra_info`` before
+        ``_update_actor``; also log them as ``forking/batch_entropy_threshold`` / ``forking/batch_selected_frac``.
+    """
+    valid = response_mask.bool()
+    selected, tau = top_entropy_mask(entropy, valid, rho)
+    frac = float(selected.sum()) / max(float(valid.sum()), 1.0)
+    return {THRESHOLD_KEY: float(tau) if torch.isfinite(tau) else float("inf"), FRACTION_KEY: frac}

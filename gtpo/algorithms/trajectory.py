@@ -55,7 +55,6 @@ Deliberate choices and deviations (all documented in the README's method section
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
@@ -66,8 +65,8 @@ from gtpo.algorithms.conflict_tokens import (
     run_conflict_counts,
 )
 from gtpo.algorithms.group_ops import group_mean_std, per_row, segment_sum
-from gtpo.algorithms.kernel_support import kernel_failed, load_kernel
-from gtpo.algorithms.trajectory_params import ADV_NORMS, GTPOTrajParams
+from gtpo.algorithms.kernel_dispatch import kernel_guard, kernel_on
+from gtpo.algorithms.trajectory_params import ADV_NORMS, GTPOTrajOutput, GTPOTrajParams, check_entropy_values
 
 # conflict_weights stays importable from here for the GTPO-token conflict-mask option.
 __all__ = [
@@ -115,50 +114,6 @@ def centred_advantages(
     return adv.to(torch.float32), polarity, zero_var
 
 
-class GTPOTrajOutput(NamedTuple):
-    """Result of :func:`gtpo_traj_advantages` (all tensors detached).
-
-    The conflict weights are kept as run lengths (the first ``run_fwd`` and the last ``run_bwd`` valid columns of a
-    row, ending at column ``last``); :attr:`lam` and :attr:`is_conflict` expand them to ``[B, L]`` on request.
-    """
-
-    advantages: torch.Tensor  # [B, L] float32, zero on padding
-    adv_seq: torch.Tensor  # [B] float32, A_i (unshaped, after adv_norm)
-    shaped_seq: torch.Tensor  # [B] float32, A'_i = delta_i (A_i - gamma <H>_i), after group skipping and agg scale
-    mean_entropy: torch.Tensor  # [B] float32, <H>_i
-    delta: torch.Tensor  # [B] float32 in {0, 1}
-    polarity: torch.Tensor  # [B] int8
-    n_conf: torch.Tensor  # [B] int64 divisor (>= 1)
-    run_fwd: torch.Tensor  # [B] int64 length of the leading conflict run
-    run_bwd: torch.Tensor  # [B] int64 length of the trailing conflict run
-    last: torch.Tensor  # [B] int64 last valid column (-1: empty row)
-    lam_c: torch.Tensor  # [B] float32 weight of the row's conflict tokens (lam_pos / lam_neg; 1 if inactive)
-    response_mask: torch.Tensor  # [B, L] the mask the runs refer to
-    h_ini: float | None  # <H>_ini used (measured on this batch with measure_h_ini)
-    metrics: dict
-
-    def _runs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        valid = self.response_mask.bool()
-        cols = torch.arange(valid.shape[-1], device=valid.device)[None, :]
-        fwd = cols < self.run_fwd[:, None]
-        bwd = cols > (self.last - self.run_bwd)[:, None]
-        return valid, fwd & valid, bwd & valid
-
-    @property
-    def is_conflict(self) -> torch.Tensor:
-        """``[B, L]`` bool: tokens of the leading (forward) or trailing (backward, right-aligned) run."""
-        _, fwd, bwd = self._runs()
-        return fwd | bwd
-
-    @property
-    def lam(self) -> torch.Tensor:
-        """``[B, L]`` float32 ``lambda_fwd * lambda_bwd * m`` (``lam_c`` per run, ``lam_c ** 2`` in both)."""
-        valid, fwd, bwd = self._runs()
-        lam_c = self.lam_c[:, None]
-        one = torch.ones((), dtype=torch.float32, device=valid.device)
-        return valid.to(torch.float32) * torch.where(fwd, lam_c, one) * torch.where(bwd, lam_c, one)
-
-
 @torch.no_grad()
 def entropy_filter(mean_entropy: torch.Tensor, tau: float, use_ini_gate: bool, h_ini: float | None) -> torch.Tensor:
     """``delta_i`` (§6.1 / §6.3): 1 keeps completion ``i``, 0 drops it.
@@ -178,16 +133,6 @@ def entropy_filter(mean_entropy: torch.Tensor, tau: float, use_ini_gate: bool, h
         if h_ini > tau:
             return torch.ones_like(mean_entropy, dtype=torch.float32)
     return (mean_entropy <= tau).to(torch.float32)
-
-
-def check_entropy_values(entropy: torch.Tensor, response_mask: torch.Tensor) -> None:
-    """Raise naming the count of NaN / inf entropies on valid tokens (padding may hold anything)."""
-    valid = response_mask.bool()
-    h = entropy.detach()
-    for name, bad in (("NaN", torch.isnan(h)), ("inf", torch.isinf(h))):
-        count = int((bad & valid).sum())
-        if count:
-            raise ValueError(f"entropy holds {name} on {count} valid token(s)")
 
 
 @torch.no_grad()
@@ -237,14 +182,13 @@ def gtpo_traj_advantages(
     adv, polarity, zero_var = centred_advantages(scores, gid, num_groups, params.adv_norm, params.eps)
     check_conflict_inputs(responses, response_mask, gid, num_groups, polarity)
     on_cpu = all(t.device.type == "cpu" for t in (response_mask, responses, entropy))
-    kernel = load_kernel("trajectory_kernel") if on_cpu else None
-    if kernel is not None:
-        try:
-            return kernel.gtpo_traj_kernel(
+    if on_cpu and kernel_on("trajectory_kernel"):
+        with kernel_guard("trajectory_kernel"):  # numba missing or failing: the definition below
+            from gtpo.algorithms import trajectory_kernel
+
+            return trajectory_kernel.gtpo_traj_kernel(
                 response_mask, responses, entropy, gid.cpu(), num_groups, params, adv, polarity, zero_var, h_ini
             )
-        except kernel.CompileError as err:
-            kernel_failed("trajectory_kernel", err)
     check_entropy_values(entropy, response_mask)
     return gtpo_traj_reference(
         response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini

@@ -7,17 +7,21 @@ entropy penalty ``gamma``, filter threshold ``tau = ln 2`` behind the ini gate, 
 the mean over prompts); ``variant="code"`` the official code's (``tau = 0.7``, no gate, ``1/max(f, b)``, the sum
 over a group). Every field left at None takes its variant's default; an explicit value always wins. The deliberate
 deviations from both are listed in :mod:`gtpo.algorithms.trajectory`; the estimator that reads these knobs is there
-too.
+too. Its result, :class:`GTPOTrajOutput`, and its check of the entropy values are here as well: the definition and
+the compiled kernel (:mod:`gtpo.algorithms.trajectory_kernel`) both use them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
+
+import torch
 
 from gtpo.algorithms.conflict_tokens import NCONF_COUNTS
 
-__all__ = ["LN2", "ADV_NORMS", "GTPOTrajParams"]
+__all__ = ["LN2", "ADV_NORMS", "GTPOTrajParams", "GTPOTrajOutput", "check_entropy_values"]
 
 LN2 = math.log(2.0)
 
@@ -105,3 +109,57 @@ class GTPOTrajParams:
             if not (math.isfinite(self.h_ini) and self.h_ini >= 0):
                 raise ValueError(f"h_ini={self.h_ini}: must be a finite entropy >= 0 (nats) or null")
             object.__setattr__(self, "h_ini", float(self.h_ini))
+
+
+class GTPOTrajOutput(NamedTuple):
+    """Result of :func:`gtpo_traj_advantages` (all tensors detached).
+
+    The conflict weights are kept as run lengths (the first ``run_fwd`` and the last ``run_bwd`` valid columns of a
+    row, ending at column ``last``); :attr:`lam` and :attr:`is_conflict` expand them to ``[B, L]`` on request.
+    """
+
+    advantages: torch.Tensor  # [B, L] float32, zero on padding
+    adv_seq: torch.Tensor  # [B] float32, A_i (unshaped, after adv_norm)
+    shaped_seq: torch.Tensor  # [B] float32, A'_i = delta_i (A_i - gamma <H>_i), after group skipping and agg scale
+    mean_entropy: torch.Tensor  # [B] float32, <H>_i
+    delta: torch.Tensor  # [B] float32 in {0, 1}
+    polarity: torch.Tensor  # [B] int8
+    n_conf: torch.Tensor  # [B] int64 divisor (>= 1)
+    run_fwd: torch.Tensor  # [B] int64 length of the leading conflict run
+    run_bwd: torch.Tensor  # [B] int64 length of the trailing conflict run
+    last: torch.Tensor  # [B] int64 last valid column (-1: empty row)
+    lam_c: torch.Tensor  # [B] float32 weight of the row's conflict tokens (lam_pos / lam_neg; 1 if inactive)
+    response_mask: torch.Tensor  # [B, L] the mask the runs refer to
+    h_ini: float | None  # <H>_ini used (measured on this batch with measure_h_ini)
+    metrics: dict
+
+    def _runs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        valid = self.response_mask.bool()
+        cols = torch.arange(valid.shape[-1], device=valid.device)[None, :]
+        fwd = cols < self.run_fwd[:, None]
+        bwd = cols > (self.last - self.run_bwd)[:, None]
+        return valid, fwd & valid, bwd & valid
+
+    @property
+    def is_conflict(self) -> torch.Tensor:
+        """``[B, L]`` bool: tokens of the leading (forward) or trailing (backward, right-aligned) run."""
+        _, fwd, bwd = self._runs()
+        return fwd | bwd
+
+    @property
+    def lam(self) -> torch.Tensor:
+        """``[B, L]`` float32 ``lambda_fwd * lambda_bwd * m`` (``lam_c`` per run, ``lam_c ** 2`` in both)."""
+        valid, fwd, bwd = self._runs()
+        lam_c = self.lam_c[:, None]
+        one = torch.ones((), dtype=torch.float32, device=valid.device)
+        return valid.to(torch.float32) * torch.where(fwd, lam_c, one) * torch.where(bwd, lam_c, one)
+
+
+def check_entropy_values(entropy: torch.Tensor, response_mask: torch.Tensor) -> None:
+    """Raise naming the count of NaN / inf entropies on valid tokens (padding may hold anything)."""
+    valid = response_mask.bool()
+    h = entropy.detach()
+    for name, bad in (("NaN", torch.isnan(h)), ("inf", torch.isinf(h))):
+        count = int((bad & valid).sum())
+        if count:
+            raise ValueError(f"entropy holds {name} on {count} valid token(s)")

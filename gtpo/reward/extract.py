@@ -108,25 +108,25 @@ def last_answer_line(text: str) -> tuple[str | None, int]:
 
 # A whole answer that is one number inside a text-mode or bold command; math-verify reads \text{5.50} as text.
 _TEXT_WRAPPED_NUMBER = re.compile(
-    r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\{\s*([-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+))\s*(?:\\?%)?\s*\}"
+    r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\{\s*([-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+))\s*\}"
 )
 
 
 def clean_answer(ans: str) -> str:
-    """Strip markdown/math delimiters, percent and dollar signs, and trailing punctuation from an answer."""
+    """Strip markdown/math delimiters, percent and dollar signs, and trailing punctuation from an answer; a lone
+    number in text, roman or bold type (``\\text{5.50}``, ``\\mathrm{5.50}``, ``\\textbf{5.50}``) is the number."""
     s = ans.strip()
     # markdown bold and math delimiters around the whole answer
     for left, right in (("**", "**"), ("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if len(s) >= len(left) + len(right) and s.startswith(left) and s.endswith(right):
             s = s[len(left) : len(s) - len(right)].strip()
     s = s.strip("*").strip()
-    # a number set in text or bold type (\text{5.50}, \textbf{5.50}) is the number
-    wrapped = _TEXT_WRAPPED_NUMBER.fullmatch(s)
-    if wrapped:
-        s = wrapped.group(1)
     s = s.replace("\\%", "").replace("%", "").replace("\\$", "")
-    s = _TRAILING_PUNCT.sub("", s)
-    return s.strip().strip("$").strip()
+    s = _TRAILING_PUNCT.sub("", s).strip().strip("$").strip()
+    # a number set in text or bold type is the number, once the signs and punctuation around it are gone
+    # (\text{5.50}, \textbf{\$5.50}, $\text{5.50}$.)
+    wrapped = _TEXT_WRAPPED_NUMBER.fullmatch(s)
+    return _TRAILING_PUNCT.sub("", wrapped.group(1)) if wrapped else s
 
 
 def extract_answer(text: str) -> tuple[str | None, str]:
@@ -173,6 +173,7 @@ def normalize_for_vote(ans: str | None) -> str:
     if not ans:
         return ""
     s = ans.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = _VOTE_TEXT.sub(r"\1", s)
+    # spacing first, so ``\text {5}`` and ``\text{5}`` unwrap alike into one class
     s = _VOTE_DROP.sub("", s)
+    s = _VOTE_TEXT.sub(r"\1", s)
     return _TRAILING_PUNCT.sub("", s)

@@ -2,11 +2,13 @@
 
 verl's checkpoint (``global_step_<N>/``: ``actor/``, ``data.pt`` with the dataloader state, the tracker
 ``latest_checkpointed_iteration.txt``) holds the weights, the optimiser and the data order. The recipe adds one
-file per checkpoint, ``global_step_<N>/gtpo_state.json``, for the state its estimators keep in the trainer process:
+file per checkpoint, ``global_step_<N>/gtpo_state.json``, for the state its estimators keep across steps. That
+state belongs to the trainer (``GTPOTrainerMixin.recipe_state``, one block per estimator, built by
+:func:`new_state`), which hands each estimator its block; two trainers in one process share nothing:
 
 - ``gtpo_traj.h_ini``: the ``<H>_ini`` that ``gtpo_traj``'s ini gate (``variant=paper``) measured on the first
-  batch (``gtpo.verl_plugin.trajectory.current_h_ini()``); null if nothing was measured. On resume it is restored
-  unless ``algorithm.gtpo_traj.h_ini`` is set, which always wins.
+  batch (written by ``gtpo.verl_plugin.trajectory`` into the block it is given); null if nothing was measured. On
+  resume it is restored unless ``algorithm.gtpo_traj.h_ini`` is set, which always wins.
 
 Nothing else persists across steps: DAPO's generation-round counter (``dynamic_sampling.BoundedDapoReplayBuffer``)
 is reset at every ``sample()`` call, the forking-token parameters are read from the config, and the reward cache
@@ -27,13 +29,11 @@ import logging
 import os
 from typing import Any
 
-from gtpo.verl_plugin import trajectory
-
 __all__ = [
     "STATE_FILE",
     "StateAfterSave",
-    "collect_state",
     "discard_state",
+    "new_state",
     "read_state",
     "restore_state",
     "save_state",
@@ -45,16 +45,16 @@ _FORMAT = 1
 logger = logging.getLogger(__name__)
 
 
-def collect_state() -> dict[str, Any]:
-    """The recipe's cross-step state of this process, as JSON-ready values."""
-    return {"gtpo_traj": {"h_ini": trajectory.current_h_ini()}}
+def new_state() -> dict[str, dict[str, Any]]:
+    """A trainer's cross-step state before anything is measured: one block per estimator that keeps any."""
+    return {"gtpo_traj": {"h_ini": None}}
 
 
-def save_state(folder: str, global_steps: int) -> str:
-    """Write ``<folder>/gtpo_state.json`` atomically; returns its path."""
+def save_state(folder: str, global_steps: int, state: dict[str, dict[str, Any]]) -> str:
+    """Write ``state`` (a trainer's, JSON-ready) to ``<folder>/gtpo_state.json`` atomically; returns its path."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, STATE_FILE)
-    payload = {"format": _FORMAT, "global_steps": int(global_steps), **collect_state()}
+    payload = {"format": _FORMAT, "global_steps": int(global_steps), **state}
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=1)
@@ -90,31 +90,32 @@ def read_state(folder: str) -> dict[str, Any] | str:
 
 
 class StateAfterSave:
-    """verl's checkpoint callback (``trainer.checkpoint_callback_class``, a no-op by default) with the recipe's
-    state written first: ``on_save`` runs after verl has written the checkpoint and its tracker.
+    """verl's checkpoint callback (``trainer.checkpoint_callback_class``, a no-op by default) with the trainer's
+    ``state`` written first: ``on_save`` runs after verl has written the checkpoint and its tracker.
 
     An asynchronous save (``async_save=True``, Megatron only in verl 0.9.1) may still be writing when the hook
     fires, so it gets no state file: such a checkpoint is never taken for complete.
     """
 
-    def __init__(self, inner):
+    def __init__(self, inner, state: dict[str, dict[str, Any]]):
         self.inner = inner
+        self.state = state
 
     def on_save(self, trainer, global_step: int, checkpoint_dir: str, async_save: bool = False, **kwargs) -> None:
         if not async_save:
-            save_state(checkpoint_dir, global_step)
+            save_state(checkpoint_dir, global_step, self.state)
         self.inner.on_save(
             trainer=trainer, global_step=global_step, checkpoint_dir=checkpoint_dir, async_save=async_save, **kwargs
         )
 
     def __getattr__(self, name):
-        if name == "inner":
+        if name in ("inner", "state"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
 
-def restore_state(folder: str, algorithm_config: Any) -> dict[str, Any]:
-    """Restore the state saved in ``folder`` into this process; returns what was restored.
+def restore_state(folder: str, algorithm_config: Any, state: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Restore the state saved in ``folder`` into a trainer's ``state`` (in place); returns what was restored.
 
     A checkpoint without the file (written by an older recipe) restores nothing; a ``gtpo_traj`` run with the ini
     gate then stops at its first step and asks for ``algorithm.gtpo_traj.h_ini``. An explicit
@@ -132,6 +133,6 @@ def restore_state(folder: str, algorithm_config: Any) -> dict[str, Any]:
     traj_node = algorithm_config.get("gtpo_traj", None) if algorithm_config is not None else None
     explicit = traj_node.get("h_ini", None) if traj_node is not None else None
     if h_ini is not None and explicit is None:
-        trajectory.set_h_ini(float(h_ini))
+        state.setdefault("gtpo_traj", {})["h_ini"] = float(h_ini)
         restored["gtpo_traj.h_ini"] = float(h_ini)
     return restored

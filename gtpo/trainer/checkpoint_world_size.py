@@ -4,7 +4,8 @@ A checkpoint saved by ``W`` ranks cannot be loaded by another number: the files 
 size do not exist, and the run would fail inside a worker. Resharding is not attempted (each FSDP2 shard is a
 rank's slice of DTensors, and the optimizer state is sharded alike): :func:`check_resume_world_size` refuses such a
 resume (``auto`` or ``resume_path``) before any worker loads (the entry point checks it once more before Ray
-starts, :func:`check_world_size_before_launch`, where the driver sees the folder), naming both sizes, the folder and
+starts, :func:`gtpo.launch.driver_checks.check_world_size_before_launch`, where the driver sees the folder), naming
+both sizes, the folder and
 the ways out (resume with ``W`` GPUs, or merge the weights with verl's model merger and start a new run from
 them). A save at step N first removes shard files of another world size left in ``global_step_<N>`` by an
 abandoned attempt (:func:`discard_other_world_sizes`), so the recipe's own saves never mix two sizes in one folder.
@@ -13,22 +14,11 @@ abandoned attempt (:func:`discard_other_world_sizes`), so the recipe's own saves
 from __future__ import annotations
 
 import os
-from typing import Any
 
-from gtpo.private_files import check_private_dir
-from gtpo.trainer.checkpoints import (
-    ROLE_DIRS,
-    CheckpointLayout,
-    incomplete_reasons,
-    newest_complete,
-    read_tracker,
-    shard_files,
-    shard_name,
-)
+from gtpo.trainer.checkpoints import ROLE_DIRS, shard_files, shard_name
 
 __all__ = [
     "check_resume_world_size",
-    "check_world_size_before_launch",
     "checkpoint_world_size",
     "discard_other_world_sizes",
 ]
@@ -84,58 +74,6 @@ def check_resume_world_size(folder: str, nnodes: int, n_gpus_per_node: int) -> N
         f"new run from them with actor_rollout_ref.model.path={merged} and another trainer.default_local_dir (the "
         "optimizer state, the data order and the step count then start afresh)."
     )
-
-
-def _refuse_unless_private(folder: str, what: str, inside: bool) -> None:
-    """``folder`` (and with ``inside`` every folder in it, symlinks not followed: one is refused) only this user can
-    write (:func:`gtpo.private_files.check_private_dir`); verl loads the files there with ``torch.load``, which runs
-    code."""
-    try:
-        check_private_dir(folder, what)
-        for top, dirs, _ in os.walk(folder) if inside else ():
-            for name in dirs:
-                check_private_dir(os.path.join(top, name), "a folder of the checkpoint")
-    except OSError as err:
-        raise RuntimeError(f"cannot resume: {err}") from None
-
-
-def check_world_size_before_launch(trainer_cfg: Any, layout: CheckpointLayout) -> str | None:
-    """The driver's early :func:`check_resume_world_size`, before Ray starts or a GPU is allocated: the folder a
-    resume would load (``resume_path``: the named one; ``auto``: the tracker's when complete, else the newest complete
-    one, complete as ``layout`` says, :func:`gtpo.trainer.checkpoints.layout_of`; read only, nothing rewritten).
-    Returns the folder checked; None when there is nothing to check here (no
-    resume, or the checkpoint folder is not visible from the driver: the trainer checks again before loading).
-
-    First, since verl loads checkpoints with ``torch.load(weights_only=False)`` (code, whatever the file names say),
-    the folder and every folder in it must be this user's, writable by neither group nor others, and no symlink;
-    under ``auto`` ``trainer.default_local_dir`` too, wherever it exists (also with nothing saved yet: a run saving
-    there would resume from it later). The preflight refuses such a folder as well, but it can be skipped.
-
-    Raises:
-        RuntimeError: a folder others could plant files in, named with its owner or mode; or as
-            :func:`check_resume_world_size`.
-    """
-    mode = str(trainer_cfg.get("resume_mode", "disable"))
-    if mode == "resume_path" and trainer_cfg.get("resume_from_path"):
-        folder = os.path.abspath(str(trainer_cfg.resume_from_path))
-    elif mode == "auto" and trainer_cfg.get("default_local_dir"):
-        root = os.path.abspath(str(trainer_cfg.default_local_dir))
-        if os.path.lexists(root):  # before reading anything in it
-            _refuse_unless_private(root, "trainer.default_local_dir", inside=False)
-        step, _ = read_tracker(root)
-        named = os.path.join(root, f"global_step_{step}") if step is not None else None
-        if named is not None and not incomplete_reasons(named, step, layout):
-            folder = named
-        else:
-            found = newest_complete(root, layout)
-            folder = found[1] if found else None
-    else:
-        return None
-    if folder is None or not os.path.lexists(folder):
-        return None
-    _refuse_unless_private(folder, "trainer.resume_from_path" if mode == "resume_path" else "checkpoint", inside=True)
-    check_resume_world_size(folder, trainer_cfg.nnodes, trainer_cfg.n_gpus_per_node)
-    return folder
 
 
 def discard_other_world_sizes(folder: str, world_size: int) -> list[str]:

@@ -2,8 +2,8 @@
 
 A run killed after its step-N checkpoint has logged steps past N that the resumed run trains and logs again (the
 "dead timeline"). verl 0.9.1's trackers know nothing of it (``verl/utils/tracking.py``). The recipe decides, here,
-once per run, with the ``Tracking`` verl builds in ``fit()`` (:meth:`MetricHistory.attach`, called by the trainer's
-``logger`` setter before anything is logged):
+once per run, with the ``Tracking`` verl builds in ``fit()`` (:meth:`MetricHistory.attach`, called from the trainer's
+``on_validate_begin`` / ``on_train_begin``, whichever verl calls first, before anything is logged):
 
 * ``file`` (``FileLogger``, which opens its path with ``"wb"``): the earlier log is kept (moved aside before verl
   truncates it, put back after) and rewritten to the steps <= N, one line per step in step order (lines a step was

@@ -61,11 +61,12 @@ from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_
 from verl.utils.debug import marked_timer
 from verl.workers.utils.padding import response_to_nested
 
+from gtpo.algorithms.token_selection import FRACTION_KEY, THRESHOLD_KEY, batch_threshold_extra_info
+from gtpo.knobs import load_knobs
 from gtpo.trainer import checkpoint_state, checkpoint_world_size, checkpoints, metric_history, startup_checks, watchdog
 from gtpo.trainer.dynamic_sampling import bound_generation_rounds
 from gtpo.trainer.group_sizes import GroupParams, group_size_metrics
 from gtpo.trainer.preemption_hooks import TrainerStop
-from gtpo.verl_plugin import forking
 
 # Estimators registered by this recipe that take the extra keyword arguments.
 RECIPE_ESTIMATORS = frozenset({"gtpo", "grpo_s", "gtpo_traj"})
@@ -87,10 +88,19 @@ class GTPOTrainerMixin:
     # trainer.v1.<mode> config block): "sync", "colocate_async" or "separate_async".
     VERL_MODE: str = ""
 
+    def install_actor_loss(self):
+        """The actor loss into the workers (returns the forking knobs or None): set by gtpo.verl_plugin.register."""
+        raise RuntimeError("the recipe's actor loss is not registered: import gtpo.verl_plugin.register")
+
     def __init__(self, config):
         super().__init__(config)
         # The recipe's state goes into each checkpoint last, from the callback verl calls after the tracker write.
-        self.checkpoint_callback = checkpoint_state.StateAfterSave(self.checkpoint_callback)
+        self.checkpoint_callback = checkpoint_state.StateAfterSave(self.checkpoint_callback, self.recipe_state)
+
+    @property
+    def recipe_state(self) -> dict:
+        """This trainer's cross-step state (``checkpoint_state``): saved with each checkpoint, restored on resume."""
+        return self.__dict__.setdefault("_recipe_state", checkpoint_state.new_state())
 
     @property
     def trainer_mode(self) -> str:
@@ -121,7 +131,7 @@ class GTPOTrainerMixin:
         # A reward worker that failed in its constructor stops the run here, with its own error.
         startup_checks.check_reward_workers(self)
         # Installs the forking-token loss in every actor worker; None unless algorithm.forking.enable.
-        self._forking = forking.install(self)
+        self._forking = self.install_actor_loss()
 
     def fit(self, agent_loop_manager):
         # After a resume the trackers keep the steps up to the checkpoint's, once each (verl's file logger would
@@ -147,21 +157,21 @@ class GTPOTrainerMixin:
             return {}
         return super()._validate()
 
-    # verl's fit() builds its Tracking and assigns it to self.logger: the hook where the history is applied, before
-    # anything is logged.
-    @property
-    def logger(self):
-        try:
-            return self.__dict__["_tracking"]
-        except KeyError:
-            raise AttributeError("logger") from None
+    def on_validate_begin(self):
+        self._attach_metric_history()
+        super().on_validate_begin()
 
-    @logger.setter
-    def logger(self, tracking) -> None:
+    def on_train_begin(self):
+        self._attach_metric_history()
+        super().on_train_begin()
+
+    def _attach_metric_history(self) -> None:
+        """Apply the history to verl's ``Tracking`` (``self.logger``) once, before anything is logged: verl's
+        ``fit()`` builds it, then calls ``on_validate_begin`` (validation before training) or ``on_train_begin``
+        before its first ``self.logger.log``."""
         history = self.__dict__.pop("_metric_history", None)
         if history is not None:
-            history.attach(tracking)
-        self.__dict__["_tracking"] = tracking
+            history.attach(self.logger)
 
     def _save_checkpoint(self):
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
@@ -192,7 +202,7 @@ class GTPOTrainerMixin:
         super()._load_checkpoint()
         if self.global_steps > 0:
             folder = self._resumed_checkpoint_folder(resolved)
-            restored = checkpoint_state.restore_state(folder, self.config.algorithm)
+            restored = checkpoint_state.restore_state(folder, self.config.algorithm, self.recipe_state)
             print(f"gtpo: resumed from {folder} at step {self.global_steps}; recipe state restored: {restored}")
 
     def _resumed_checkpoint_folder(self, resolved: str | None) -> str:
@@ -235,12 +245,12 @@ class GTPOTrainerMixin:
             data = tq.kv_batch_get(
                 keys=batch.keys, partition_id=batch.partition_id, select_fields=["entropy", "response_mask"]
             )
-            info = forking.batch_threshold_extra_info(
+            info = batch_threshold_extra_info(
                 data["entropy"].to_padded_tensor(0.0), data["response_mask"].to_padded_tensor(0), params.rho
             )
             batch.extra_info.update(info)
-            metrics["forking/batch_entropy_threshold"] = info[forking.THRESHOLD_KEY]
-            metrics["forking/batch_selected_frac"] = info[forking.FRACTION_KEY]
+            metrics["forking/batch_entropy_threshold"] = info[THRESHOLD_KEY]
+            metrics["forking/batch_selected_frac"] = info[FRACTION_KEY]
             # the rows the quantile was taken over: the step's batch, or one parameter_sync_step slice of it
             metrics["forking/batch_scope_rows"] = float(sum(not t.get("is_padding", False) for t in batch.tags))
         return super()._update_actor(batch, metrics)
@@ -302,6 +312,7 @@ class GTPOTrainerMixin:
         if str(algorithm.adv_estimator) not in RECIPE_ESTIMATORS:
             return super()._compute_advantage(batch, metrics)
 
+        # verl's method copied for two more fields, only (3) differs (docs/architecture.md, Seams: advantage-fields)
         fields = ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "ref_log_prob", "values"]
         fields += ["entropy", "responses"]
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
@@ -342,8 +353,6 @@ class GTPOTrainerMixin:
         )
 
     def _group_params(self) -> GroupParams:
-        from gtpo.verl_plugin.config import load_knobs
-
         return load_knobs(GroupParams, self.config.algorithm.get("groups", None), "algorithm.groups")
 
     def _recipe_advantages(
@@ -380,6 +389,7 @@ class GTPOTrainerMixin:
             responses=real_rows("responses"),
             metrics=metrics,
             global_steps=self.global_steps,
+            state=self.recipe_state.get(name),  # the estimator's own block (gtpo_traj: its measured <H>_ini)
         )
         advantages = torch.zeros(token_level_rewards.shape, dtype=adv_real.dtype)
         returns = torch.zeros(token_level_rewards.shape, dtype=ret_real.dtype)

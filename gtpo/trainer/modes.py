@@ -15,7 +15,8 @@ the unmodified trainer. ``configs/trainer/{sync,colocate_async,separate_async}.y
 One verl 0.9.1 defect is worked around here: ``PPOTrainerSeparateAsync._setup`` logs the ``hybrid_engine=false`` case
 (the recipe's separate_async preset: no colocated replicas) with ``logger.info(..., flush=True)``
 (``verl/trainer/ppo/v1/trainer_separate_async.py:181-185``), which the standard library's ``Logger`` refuses with a
-``TypeError``: without the workaround that mode cannot start, on GPUs as on the CPU.
+``TypeError``: without the workaround (verl's module ``logger`` is a :class:`FlushDroppingAdapter` while ``_setup``
+runs; the row ``separate-async-flush`` of the Seams table in ``docs/architecture.md``) that mode cannot start.
 """
 
 from __future__ import annotations
@@ -60,19 +61,24 @@ class GTPOTrainerColocateAsync(GTPOTrainerMixin, PPOTrainerColocateAsync):
     VERL_MODE = "colocate_async"
 
 
+class FlushDroppingAdapter(logging.LoggerAdapter):
+    """A logger that accepts (and drops) the ``flush=`` keyword ``print`` takes; everything else as ``logger``."""
+
+    def process(self, msg, kwargs):
+        kwargs.pop("flush", None)
+        return msg, kwargs
+
+
 @contextlib.contextmanager
-def logger_ignoring_flush(logger: logging.Logger):
-    """``logger`` accepting (and dropping) a ``flush=`` keyword, as ``print`` takes one, for the ``with`` block."""
-    log = logger._log
-
-    def _log(level, msg, args, flush=None, **kwargs):
-        return log(level, msg, args, **kwargs)
-
-    logger._log = _log
+def logger_ignoring_flush(module, name: str = "logger"):
+    """``module.<name>`` (a module's ``logging.Logger``) replaced by a :class:`FlushDroppingAdapter` of it for the
+    ``with`` block."""
+    logger = getattr(module, name)
+    setattr(module, name, FlushDroppingAdapter(logger, {}))
     try:
-        yield logger
+        yield
     finally:
-        del logger._log  # the class's method again
+        setattr(module, name, logger)
 
 
 @register_trainer("gtpo_separate_async")
@@ -84,7 +90,7 @@ class GTPOTrainerSeparateAsync(GTPOTrainerMixin, PPOTrainerSeparateAsync):
 
     def _setup(self):
         # verl's _setup passes flush=True to logger.info when hybrid_engine=false (see the module docstring)
-        with logger_ignoring_flush(trainer_separate_async.logger):
+        with logger_ignoring_flush(trainer_separate_async):
             super()._setup()
 
 

@@ -94,7 +94,7 @@ class PreemptionParams:
 
 def params_of(algorithm) -> PreemptionParams:
     """``algorithm.preemption`` of a trainer config, validated (errors name the key)."""
-    from gtpo.verl_plugin.config import load_knobs
+    from gtpo.knobs import load_knobs
 
     return load_knobs(PreemptionParams, algorithm.get("preemption", None), "algorithm.preemption")
 
@@ -234,6 +234,7 @@ def put_request(key: str, reason: str) -> None:
     from ray.experimental import internal_kv
 
     value = json.dumps({"reason": reason, "time": time.time()}).encode()
+    # Ray's internal store: Ray has no public cluster-wide one (docs/architecture.md, Seams: stop-channel-kv)
     internal_kv._internal_kv_put(key, value, overwrite=True, namespace=KV_NAMESPACE)
 
 

@@ -149,6 +149,6 @@ def previous_step(trainer):
 
 def flush_trackers(trainer) -> None:
     """Finish verl's trackers (W&B, TensorBoard, MLflow, the file log) before the process goes away."""
-    tracking = trainer.__dict__.get("_tracking")
+    tracking = trainer.__dict__.get("logger")  # set by verl's fit()
     if tracking is not None:
         tracking.finish()

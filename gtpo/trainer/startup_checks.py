@@ -1,9 +1,4 @@
-"""Start-up checks: a run that would go wrong stops before it trains.
-
-Before Ray starts (the recipe's entry point, the preflight), :func:`check_cpu_backend` refuses the CPU test backend
-in a run whose ``trainer.device`` is not ``cpu``: ``VERL_PLATFORM=cpu`` or a ``gtpo.cpu`` module in
-``VERL_USE_EXTERNAL_MODULES`` (the variables :func:`gtpo.cpu.env` sets), inherited from a shell that ran the CPU
-tests, would put the CPU platform and its gloo-only process groups on the GPU workers: no error, a very slow run.
+"""Start-up checks inside the trainer: a run that would go wrong stops before it trains.
 
 Once the trainer has built its workers, :func:`check_reward_workers` stops a run whose reward workers failed.
 verl 0.9.1's ``RewardLoopManager`` creates its ``RewardLoopWorker`` actors with ``.remote()`` and never waits for
@@ -18,17 +13,8 @@ constructed and raises the first construction error with the constructor's own t
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Mapping
-from typing import Any
-
-from omegaconf import OmegaConf
 
 logger = logging.getLogger(__name__)
-
-# The CPU test backend's package, and the config key of the environment verl's Ray processes get.
-CPU_BACKEND_PACKAGE = "gtpo.cpu"
-RUNTIME_ENV_VARS_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"
 
 # Seconds to wait for the reward workers' constructors (tokenizer load, reward-function import); a worker still
 # pending after that is left to verl (it may be waiting for resources) with a warning.
@@ -76,35 +62,3 @@ def check_reward_workers(trainer, timeout_s: float = REWARD_WORKER_READY_TIMEOUT
     if not_ready:
         logger.warning("%d reward worker(s) not ready after %.0f s; not checked", len(not_ready), timeout_s)
     return len(ready)
-
-
-def check_cpu_backend(config: Any, environ: Mapping[str, str] | None = None) -> None:
-    """Refuse the CPU test backend (``gtpo.cpu``) when ``trainer.device`` is not ``cpu``.
-
-    Args:
-        config: the trainer config (``trainer.device``, ``ray_kwargs.ray_init.runtime_env.env_vars``).
-        environ: the driver's environment, which a fresh local Ray passes on to its workers (default ``os.environ``).
-
-    Raises:
-        ValueError: naming each variable that selects the CPU backend and where it is set.
-    """
-    device = str(OmegaConf.select(config, "trainer.device", default="cuda"))
-    if device == "cpu":
-        return
-    sources = {"the environment": os.environ if environ is None else environ}
-    sources[RUNTIME_ENV_VARS_KEY] = OmegaConf.select(config, RUNTIME_ENV_VARS_KEY, default=None) or {}
-    found = []
-    for where, env in sources.items():
-        platform = str(env.get("VERL_PLATFORM", "") or "")
-        if platform.strip().lower() == "cpu":
-            found.append(f"VERL_PLATFORM={platform} ({where})")
-        modules = [m.strip() for m in str(env.get("VERL_USE_EXTERNAL_MODULES", "") or "").split(",")]
-        cpu_modules = [m for m in modules if m == CPU_BACKEND_PACKAGE or m.startswith(CPU_BACKEND_PACKAGE + ".")]
-        if cpu_modules:
-            found.append(f"VERL_USE_EXTERNAL_MODULES with {','.join(cpu_modules)} ({where})")
-    if found:
-        raise ValueError(
-            f"trainer.device={device} but {'; '.join(found)}: the CPU test backend (gtpo.cpu.env()) would run verl's "
-            "workers on its cpu platform with gloo-only process groups; unset these for a GPU run, or run the CPU "
-            "backend with backend=cpu_tiny (trainer.device=cpu)"
-        )

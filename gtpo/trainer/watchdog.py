@@ -247,7 +247,7 @@ def params_of(trainer) -> WatchdogParams:
     """The trainer's ``algorithm.watchdog`` block, parsed once."""
     params = trainer.__dict__.get("_gtpo_watchdog_params")
     if params is None:
-        from gtpo.verl_plugin.config import load_knobs
+        from gtpo.knobs import load_knobs
 
         params = load_knobs(WatchdogParams, trainer.config.algorithm.get("watchdog", None), KNOB)
         trainer.__dict__["_gtpo_watchdog_params"] = params

@@ -31,11 +31,11 @@ from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_pol
 
 from gtpo.algorithms.entropy_shaping import grpo_s_advantages, gtpo_token_advantages
 from gtpo.algorithms.group_ops import group_ids
-from gtpo.algorithms.kernel_support import row_sums
+from gtpo.algorithms.kernel_dispatch import row_sums
 from gtpo.algorithms.length_penalty import GROPParams, grop_penalty
 from gtpo.algorithms.losses import grpo_s_loss_matrix
 from gtpo.algorithms.shaping_params import GRPOSParams, GTPOParams
-from gtpo.verl_plugin.config import load_knobs
+from gtpo.knobs import load_knobs
 
 __all__ = [
     "ESTIMATORS_APPLYING_GROP",

@@ -23,9 +23,10 @@ Scopes (``algorithm.forking.scope``):
   micro-batch holds depends on how the budget packed it, ``tests/test_path_equivalence.py``): the threshold is the
   top-rho quantile over the whole training batch (all ranks, all mini-batches) of
   the **old** policy's entropy (verl's old-log-prob recompute, stored in TransferQueue as ``entropy``), computed
-  on the driver by :func:`batch_threshold_extra_info`; tokens are selected on that same old entropy (a fixed mask
-  per step; identical to the training policy's entropy for the first mini-batch). The denominator is
-  ``rho_B * N`` with ``rho_B`` the batch's realised selected fraction, exact when the mini-batch is the batch.
+  on the driver by :func:`gtpo.algorithms.token_selection.batch_threshold_extra_info`; tokens are selected on that
+  same old entropy (a fixed mask per step; identical to the training policy's entropy for the first mini-batch).
+  The denominator is ``rho_B * N`` with ``rho_B`` the batch's realised selected fraction, exact when the mini-batch
+  is the batch.
 
 The mask is built under ``no_grad`` from detached entropies: no gradient flows through it. Padding is never
 selected. With ``entropy_coeff == 0`` (the preset's, and the paper's "no entropy loss") verl's ``ppo_loss`` gets the
@@ -39,7 +40,9 @@ micro-batches, ranks and mini-batches like verl's own loss metrics). Any min / m
 (``grpo_s/seq_ratio_min|max``) is aggregated as a min / max (:func:`gtpo.verl_plugin.loss_metrics.tag_extrema`).
 
 :func:`install` is the recipe's one place that replaces verl's actor loss: :class:`ForkingPPOLoss` with forking
-tokens, else the grpo_s policy loss's :class:`gtpo.verl_plugin.loss_metrics.GRPOSPPOLoss`.
+tokens, else the grpo_s policy loss's :class:`gtpo.verl_plugin.loss_metrics.GRPOSPPOLoss`. The trainer calls it
+after ``init_workers`` as its ``install_actor_loss`` (:class:`gtpo.trainer.mixin.GTPOTrainerMixin`), which
+:mod:`gtpo.verl_plugin.register` sets.
 """
 
 from __future__ import annotations
@@ -49,21 +52,16 @@ from typing import Any
 
 import torch
 
-from gtpo.algorithms.token_selection import top_entropy_mask
-from gtpo.verl_plugin.config import load_knobs
+from gtpo.algorithms.token_selection import FRACTION_KEY, THRESHOLD_KEY, top_entropy_mask
+from gtpo.knobs import load_knobs
 
 __all__ = [
     "ForkingParams",
     "ForkingPPOLoss",
-    "batch_threshold_extra_info",
     "install",
     "load_params",
-    "THRESHOLD_KEY",
-    "FRACTION_KEY",
 ]
 
-THRESHOLD_KEY = "forking_entropy_threshold"
-FRACTION_KEY = "forking_selected_frac"
 _SCOPES = ("micro_batch", "batch")
 
 
@@ -158,7 +156,7 @@ class ForkingPPOLoss:
             if tau_b is None or frac_b is None or "entropy" not in data.keys():
                 raise ValueError(
                     "algorithm.forking.scope=batch needs the driver hook: batch.extra_info from "
-                    "gtpo.verl_plugin.forking.batch_threshold_extra_info and the old-policy entropy in the batch"
+                    "gtpo.algorithms.token_selection.batch_threshold_extra_info and the old-policy entropy in the batch"
                 )
             entropy = _nested_to_padded(data["entropy"], width).detach()
             selected, tau = top_entropy_mask(entropy, valid, self.params.rho, threshold=float(tau_b))
@@ -187,25 +185,6 @@ class ForkingPPOLoss:
         }
         metrics.update(Metric.from_dict(extra, aggregation=AggregationType.MEAN))
         return loss, metrics
-
-
-@torch.no_grad()
-def batch_threshold_extra_info(entropy: torch.Tensor, response_mask: torch.Tensor, rho: float) -> dict[str, float]:
-    """Driver side of ``scope=batch``: the whole batch's threshold and realised selected fraction.
-
-    Args:
-        entropy: ``[B, L]`` old-policy per-token entropy of the whole training batch (padded).
-        response_mask: ``[B, L]`` 0/1.
-        rho: kept fraction.
-
-    Returns:
-        ``{THRESHOLD_KEY: tau_B, FRACTION_KEY: n_sel / n_valid}`` to merge into ``batch.extra_info`` before
-        ``_update_actor``; also log them as ``forking/batch_entropy_threshold`` / ``forking/batch_selected_frac``.
-    """
-    valid = response_mask.bool()
-    selected, tau = top_entropy_mask(entropy, valid, rho)
-    frac = float(selected.sum()) / max(float(valid.sum()), 1.0)
-    return {THRESHOLD_KEY: float(tau) if torch.isfinite(tau) else float("inf"), FRACTION_KEY: frac}
 
 
 def install(trainer: Any) -> ForkingParams | None:

@@ -14,7 +14,11 @@ What gets registered:
 * policy losses ``grpo_s`` (sequence-level clipped ratio) and the forking-token loss;
 * trainer modes ``gtpo_sync``, ``gtpo_colocate_async`` and ``gtpo_separate_async`` (``trainer.v1.trainer_mode``):
   verl's three v1 trainers with the recipe's behaviour (:mod:`gtpo.trainer.modes`), which hands entropy and
-  token ids to the estimators.
+  token ids to the estimators, and the actor loss those trainers install in the workers
+  (:func:`gtpo.verl_plugin.forking.install`).
+
+This is the one module above both rooms: the adapters (the rest of ``gtpo.verl_plugin``) and the trainer's runtime
+(``gtpo.trainer``) import neither each other nor it.
 
 Importing twice is harmless: Python caches the modules, and verl's ``register_adv_est`` only rejects a *different*
 function under a taken name.
@@ -24,6 +28,10 @@ from __future__ import annotations
 
 from gtpo.trainer import modes
 from gtpo.verl_plugin import entropy_shaping, forking, trajectory  # noqa: F401  (importing registers)
+
+# The trainer modes install the recipe's actor loss (forking tokens, or grpo_s's with min / max metrics) after
+# init_workers; the runtime imports no adapter, so the loss is handed to it here.
+modes.GTPOTrainerMixin.install_actor_loss = forking.install
 
 ESTIMATORS = tuple(sorted(modes.RECIPE_ESTIMATORS))
 TRAINER_MODE = modes.TRAINER_MODE

@@ -20,11 +20,13 @@ Mapping onto verl's loss (docs/ALGORITHMS.md §6.6):
   scaled as if they were present. ``tests/test_trajectory.py`` checks both statements through verl's loss.
 
 ``<H>_ini`` (ini gate, ``variant=paper``): if ``algorithm.gtpo_traj.h_ini`` is null, the first call of the
-estimator in this process measures it (mean over that batch's completions of ``<H>_i``), keeps it in this module
-(``current_h_ini()``) and every step logs it as ``gtpo_traj/h_ini``. ``gtpo_sync`` saves it with each checkpoint
-and restores it on resume (``gtpo.trainer.checkpoint_state``). A resumed run (``global_steps > 1``) that still
-has no value (a checkpoint without the recipe's state file) raises and asks for ``algorithm.gtpo_traj.h_ini``
-rather than measuring a trained policy's entropy as the "initial" one.
+estimator in a run measures it (mean over that batch's completions of ``<H>_i``) and writes it into the ``state``
+the trainer passes (``state["h_ini"]``, its ``gtpo_traj`` block of the recipe state), where later calls read it;
+every step logs it as ``gtpo_traj/h_ini``. The trainer keeps that state, saves it with each checkpoint and restores
+it on resume (``gtpo.trainer.checkpoint_state``), so two trainers in one process never share a value. A call
+without ``state`` measures on its own batch and keeps nothing. A resumed run (``global_steps > 1``) that still has
+no value (a checkpoint without the recipe's state file) raises and asks for ``algorithm.gtpo_traj.h_ini`` rather
+than measuring a trained policy's entropy as the "initial" one.
 """
 
 from __future__ import annotations
@@ -35,30 +37,14 @@ import numpy as np
 import torch
 
 from gtpo.algorithms.group_ops import group_ids
-from gtpo.algorithms.kernel_support import row_sums
+from gtpo.algorithms.kernel_dispatch import row_sums
 from gtpo.algorithms.trajectory import gtpo_traj_advantages
 from gtpo.algorithms.trajectory_params import GTPOTrajParams
-from gtpo.verl_plugin.config import load_knobs
+from gtpo.knobs import load_knobs
 
-__all__ = ["compute_gtpo_traj_advantage", "current_h_ini", "reset_h_ini", "set_h_ini", "load_params"]
+__all__ = ["compute_gtpo_traj_advantage", "load_params"]
 
 _CONFIG_KEY = "gtpo_traj"
-_H_INI_STATE: dict[str, float | None] = {"value": None}
-
-
-def current_h_ini() -> float | None:
-    """The ``<H>_ini`` measured (or set) in this process, or None."""
-    return _H_INI_STATE["value"]
-
-
-def set_h_ini(value: float | None) -> None:
-    """Set (or clear with None) the process-wide ``<H>_ini`` (e.g. a trainer restoring it on resume)."""
-    _H_INI_STATE["value"] = None if value is None else float(value)
-
-
-def reset_h_ini() -> None:
-    """Forget the measured ``<H>_ini`` (tests, or a new run in the same process)."""
-    _H_INI_STATE["value"] = None
 
 
 def load_params(config: Any) -> GTPOTrajParams:
@@ -84,6 +70,7 @@ def compute_gtpo_traj_advantage(
     entropy: torch.Tensor | None = None,
     responses: torch.Tensor | None = None,
     metrics: dict | None = None,
+    state: dict | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GTPO-trajectory advantages in verl's estimator contract.
@@ -96,6 +83,9 @@ def compute_gtpo_traj_advantage(
         entropy: ``[B, L]`` per-token entropy of the old policy (verl's old-log-prob recompute). Required.
         responses: ``[B, L]`` int64 response token ids. Required (conflict tokens compare token ids).
         metrics: optional dict; receives ``gtpo_traj/...`` python floats.
+        state: the trainer's ``gtpo_traj`` state (a dict it checkpoints): ``state["h_ini"]`` is the measured
+            ``<H>_ini``, read here and written by the call that measures it. None: measured on this batch, kept
+            nowhere.
         **kwargs: ``global_steps`` (optional int) enables the resume check of the ini gate; others ignored.
 
     Returns:
@@ -133,7 +123,7 @@ def compute_gtpo_traj_advantage(
     h_ini = params.h_ini
     measure = False
     if params.use_ini_gate and h_ini is None:
-        h_ini = current_h_ini()
+        h_ini = state.get("h_ini") if state is not None else None
         if h_ini is None:
             step = kwargs.get("global_steps")
             if step is not None and int(step) > 1:
@@ -156,8 +146,8 @@ def compute_gtpo_traj_advantage(
         h_ini=h_ini,
         measure_h_ini=measure,
     )
-    if measure:
-        set_h_ini(out.h_ini)
+    if measure and state is not None:
+        state["h_ini"] = float(out.h_ini)
     if metrics is not None:
         metrics.update(out.metrics)
     advantages = out.advantages.to(token_level_rewards.dtype)

@@ -13,7 +13,6 @@ the launcher put them, and (3) runs a TaskRunner that imports the plugin itself 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import socket
@@ -92,7 +91,7 @@ def skip_dead_recorded_cluster(config: DictConfig) -> str | None:
     recorded, and verl's ``ray.init`` then fails on its GCS (at once with ``ray_init.num_cpus`` set, naming num_cpus).
     A recorded cluster whose GCS port accepts a connection is still joined. Returns the line printed, or None.
     """
-    from ray._common.network_utils import parse_address
+    # Ray's own reading of the recorded address, as ray.init() reads it (a private function: tests/test_seams.py)
     from ray._private.services import canonicalize_bootstrap_address
 
     ray_init = config.ray_kwargs.get("ray_init") or {}
@@ -105,9 +104,9 @@ def skip_dead_recorded_cluster(config: DictConfig) -> str | None:
     else:
         if recorded is None:
             return None
-        host, port = parse_address(recorded)
+        host, _, port = recorded.rpartition(":")  # "<host>:<port>", an IPv6 host in brackets
         try:
-            with socket.create_connection((host, int(port)), timeout=RECORDED_CLUSTER_PROBE_S):
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=RECORDED_CLUSTER_PROBE_S):
                 return None
         except OSError:
             pass
@@ -131,11 +130,10 @@ def prepare_config(config: DictConfig, dry_run: bool = False) -> None:
     those itself, on a machine that is usually not the cluster's image.
     """
     from gtpo.launch.async_checks import check_checkpoint_engine, startup_notes, verl_mode
+    from gtpo.launch.driver_checks import check_cpu_backend, check_world_size_before_launch
     from gtpo.launch.ray_auth import check_ray_auth
     from gtpo.launch.validation import validate_recipe_config
-    from gtpo.trainer.checkpoint_world_size import check_world_size_before_launch
     from gtpo.trainer.checkpoints import layout_of
-    from gtpo.trainer.startup_checks import check_cpu_backend
 
     auto_set_device(config)
     check_cpu_backend(config)
@@ -204,46 +202,48 @@ def main() -> None:
         sys.exit(CONFIG_ERROR_EXIT)
 
 
-@contextlib.contextmanager
-def handlers_after_ray_init(relay: DriverRelay):
-    """``relay``'s signal handlers installed now and again right after ``ray.init`` (called inside verl's
-    ``run_ppo``), which replaces SIGTERM's handler with one that exits the driver at once."""
-    original = ray.init
+class HandlersAfterRayInit:
+    """The TaskRunner class handed to verl's ``run_ppo`` (its ``task_runner_class``, the recipes' hook), installing
+    ``relay``'s signal handlers again as the runner is created.
 
-    @functools.wraps(original)
-    def init(*args, **kwargs):
-        context = original(*args, **kwargs)
-        relay.install()
-        return context
+    ``run_ppo`` creates the runner (``.remote()``, or ``.options(...).remote()`` under nsys) right after its
+    ``ray.init``, which replaces SIGTERM's handler with one that exits the driver at once, and before it waits on
+    the run: the handlers set here are the ones in place while the driver waits.
+    """
 
-    relay.install()
-    ray.init = init
-    try:
-        yield relay
-    finally:
-        ray.init = original
+    def __init__(self, actor_class, relay: DriverRelay):
+        self.actor_class = actor_class
+        self.relay = relay
+
+    def options(self, **kwargs) -> HandlersAfterRayInit:
+        return HandlersAfterRayInit(self.actor_class.options(**kwargs), self.relay)
+
+    def remote(self, *args, **kwargs):
+        self.relay.install()
+        return self.actor_class.remote(*args, **kwargs)
 
 
 def run_preemptible(config: DictConfig) -> int:
     """verl's ``run_ppo`` with the stop signals relayed to the trainer; 0, :data:`PREEMPTED_EXIT` after the
     trainer saved and stopped, or :data:`STALLED_EXIT` after the stage watchdog ended a stalled stage."""
-    with handlers_after_ray_init(DriverRelay(params_of(config.algorithm))):
-        try:
-            run_ppo(config, task_runner_class=ray.remote(GTPOTaskRunner))
-        except PreemptedError as err:
-            # Ray hands back the trainer's exception wrapped with its remote traceback; the message is the news
-            print(str(getattr(err, "cause", err)), file=sys.stderr, flush=True)
-            return _exiting(PREEMPTED_EXIT, "saved for a stop; trainer.resume_mode=auto continues")
-        except StageTimeoutError as err:
-            print(str(getattr(err, "cause", err)), file=sys.stderr, flush=True)
-            return _exiting(STALLED_EXIT, "a stage stalled: algorithm.watchdog")
-        except ray.exceptions.RayActorError:
-            # the watchdog ended the trainer's process itself (os._exit after grace_s): only its record says so
-            stall = _recorded_stall()
-            if stall is None:
-                raise
-            print(f"{stall}; the trainer process exited with status {STALLED_EXIT}", file=sys.stderr, flush=True)
-            return _exiting(STALLED_EXIT, "a stage stalled: algorithm.watchdog")
+    relay = DriverRelay(params_of(config.algorithm))
+    relay.install()  # until verl's ray.init; HandlersAfterRayInit installs them again after it
+    try:
+        run_ppo(config, task_runner_class=HandlersAfterRayInit(ray.remote(GTPOTaskRunner), relay))
+    except PreemptedError as err:
+        # Ray hands back the trainer's exception wrapped with its remote traceback; the message is the news
+        print(str(getattr(err, "cause", err)), file=sys.stderr, flush=True)
+        return _exiting(PREEMPTED_EXIT, "saved for a stop; trainer.resume_mode=auto continues")
+    except StageTimeoutError as err:
+        print(str(getattr(err, "cause", err)), file=sys.stderr, flush=True)
+        return _exiting(STALLED_EXIT, "a stage stalled: algorithm.watchdog")
+    except ray.exceptions.RayActorError:
+        # the watchdog ended the trainer's process itself (os._exit after grace_s): only its record says so
+        stall = _recorded_stall()
+        if stall is None:
+            raise
+        print(f"{stall}; the trainer process exited with status {STALLED_EXIT}", file=sys.stderr, flush=True)
+        return _exiting(STALLED_EXIT, "a stage stalled: algorithm.watchdog")
     return 0
 
 

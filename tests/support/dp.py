@@ -117,7 +117,7 @@ def write_model_dir(folder: Path, model) -> Path:
 
 
 # The padded path with fixed micro-batches: the CPU backend's remove padding, token budgets, chunked entropy and
-# activation checkpointing turned off (tests/path_support.py runs those paths against this one).
+# activation checkpointing turned off (tests/support/paths.py runs those paths against this one).
 PADDED = (
     "actor_rollout_ref.model.use_remove_padding=false",
     "actor_rollout_ref.model.enable_gradient_checkpointing=false",
@@ -132,7 +132,7 @@ def compose_config(method: str, model_dir: Path | str, path: tuple[str, ...] = P
     effect; ``path`` selects how verl computes (default: padded, fixed micro-batches)."""
     from omegaconf import OmegaConf
 
-    from tests.test_configs import compose
+    from tests.support.configs import compose
 
     overrides = [
         "backend=cpu_tiny",
@@ -404,8 +404,6 @@ def driver_batch(cfg, dp: int, old_model, order: list[int] | None = None) -> Dri
     """
     from transfer_queue import KVBatchMeta
 
-    from gtpo.verl_plugin.trajectory import reset_h_ini
-
     keys, rows, tags = rollout_rows(build_tokenizer())
     if order is not None:
         keys, rows, tags = [keys[i] for i in order], [rows[i] for i in order], [tags[i] for i in order]
@@ -415,13 +413,11 @@ def driver_batch(cfg, dp: int, old_model, order: list[int] | None = None) -> Dri
     batch = KVBatchMeta(keys=keys, tags=tags, partition_id="train", extra_info={"temperature": 1.0})
     drv = make_driver(cfg, dp, store, old_model)
     metrics: dict = {}
-    reset_h_ini()  # gtpo_traj measures <H>_ini on its first call in a process
     with patched_tq(store):
         batch = drv._balance_batch(batch, metrics=metrics)
         batch = drv._compute_old_log_prob(batch, metrics=metrics)
         batch = drv._compute_advantage(batch, metrics=metrics)
         drv._update_actor(batch, metrics=metrics)
-    reset_h_ini()
     return DriverBatch.dispatched(drv.actor_rollout_wg.sent, store, metrics, dp)
 
 

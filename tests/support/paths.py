@@ -6,7 +6,7 @@ reference), remove padding, token-budget micro-batches (verl reorders rows by le
 chunked entropy, activation checkpointing (the model presets' path), Ulysses sequence parallelism 2 at world size 2,
 data parallelism 2 at world size 2, and parameter / optimizer offload (the 32B preset).
 
-In every rank process (spawned, gloo, as in ``tests/dp_support.py``), for one path:
+In every rank process (spawned, gloo, as in ``tests/support/dp.py``), for one path:
 
 1. the driver steps of verl's ``PPOTrainer._step_once`` run on the recipe's trainer class, identically on every rank:
    ``_balance_batch`` for the path's data-parallel size, then ``_compute_old_log_prob``, whose worker call is answered
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from tests import dp_support as S
+from tests.support import dp as S
 
 # Token budgets of the dynamic paths: verl's synthetic padding row has 128 tokens (SYNTHETIC_PADDING_SEQ_LEN in
 # verl/trainer/ppo/padding_utils.py) and must fit; the 15 real rows of 10-27 tokens (282 in all) then fill 3-4
@@ -97,7 +97,7 @@ SHARPEN = 8.0
 
 
 def build_models() -> tuple:
-    """``dp_support.build_models`` with the final norm of both models scaled by :data:`SHARPEN`."""
+    """``dp.build_models`` with the final norm of both models scaled by :data:`SHARPEN`."""
     old, trained = S.build_models()
     with torch.no_grad():
         for model in (old, trained):
@@ -267,19 +267,15 @@ def _old_pass(path: ComputePath, rank: int, folder: Path, fault: str | None):
 
 
 def _train(path: ComputePath, rank: int, folder: Path, method: str, store: S.MemoryTQ, batch) -> tuple:
-    from gtpo.verl_plugin.trajectory import reset_h_ini
-
     cfg = S.compose_config(method, folder / "model", path.overrides)
     store = copy.deepcopy(store)
     drv = S.make_driver(cfg, path.dp, store, old_model=None)
     group = RankWorkerGroup(path, rank, store, worker=None)
     drv.actor_rollout_wg = group
-    reset_h_ini()  # gtpo_traj measures <H>_ini on its first call in a process
     metrics: dict = {}
     with S.patched_tq(store):
         advantaged = drv._compute_advantage(copy.deepcopy(batch), metrics=metrics)
         drv._update_actor(advantaged, metrics=metrics)
-    reset_h_ini()
     sent = group.sent
     driver_batch = S.DriverBatch.dispatched(sent, store, metrics, path.dp)
     rows = [driver_batch.rows[k] for k in sent.chunk(path.dp)[rank // path.sp].keys]
@@ -342,7 +338,7 @@ def start(world_size: int, jobs: list[tuple[str, str | None]], folder: Path):
 
 
 def wait(groups: dict[int, list], folder: Path, timeout: float) -> dict[tuple[str, str | None], PathResult]:
-    """Wait for every group (``dp_support.wait_processes``); every job's rank-0 result by ``(path, fault)``."""
+    """Wait for every group (``dp.wait_processes``); every job's rank-0 result by ``(path, fault)``."""
     S.wait_processes(groups, lambda ws: folder / f"ws{ws}", timeout)
     results = {}
     for ws in groups:

@@ -15,6 +15,7 @@ the situation of a multi-node cluster, which a single-node ``ray.init`` would hi
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -24,10 +25,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Two FSDP ranks and two vLLM replicas, one of each on each of the session cluster's two nodes.
 WORLD_SIZE_2 = ("trainer.nnodes=2", "trainer.n_gpus_per_node=1")
 PYTHON = sys.executable
+# The runs' reward: +1 or -1 by the CRC32 of the response text, so a random model still gets mixed groups.
+COIN_REWARD = REPO_ROOT / "tests" / "assets" / "coin_reward.py"
 
 
 class RayCluster:
@@ -307,3 +310,26 @@ def shard_names(actor_dir: Path) -> list[str]:
 
 def tail(text: str, n: int = 60) -> str:
     return "\n".join(text.splitlines()[-n:])
+
+
+def base_overrides(assets) -> list[str]:
+    """A run on ``assets`` (gtpo.cpu's tiny model, tokenizer and data) rewarded by :data:`COIN_REWARD`."""
+    return [
+        f"actor_rollout_ref.model.path={assets.model_dir}",
+        f"actor_rollout_ref.model.tokenizer_path={assets.tokenizer_dir}",
+        f"data.train_files={assets.train_parquet}",
+        f"data.val_files={assets.val_parquet}",
+        f"reward.custom_reward_function.path={COIN_REWARD}",
+        "reward.custom_reward_function.name=compute_score",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+    ]
+
+
+def assert_ran(result: RunResult, steps: int):
+    """The run ended with rc 0, its last ``steps`` steps logged in order, every recipe metric finite."""
+    assert result.returncode == 0, f"trainer failed (rc={result.returncode}):\n{tail(result.log)}"
+    assert result.steps()[-steps:] == list(range(result.steps()[-1] - steps + 1, result.steps()[-1] + 1))
+    for entry in result.metrics:
+        for key, value in entry["data"].items():
+            if key.startswith(("gtpo/", "grpo_s/", "gtpo_traj/", "forking/", "actor/forking/")) and value is not None:
+                assert math.isfinite(float(value)), f"step {entry['step']}: {key}={value}"
