@@ -163,8 +163,13 @@ def submit(slurm: LocalSlurm, tmp: Path, env: dict[str, str], *sbatch_args: str,
 
 
 def restart_now(slurm: LocalSlurm, job_id: str, timeout: float = 120.0) -> None:
-    """Wait until the job is requeued (pending again), then move its start to now (Slurm holds it ~2 minutes)."""
+    """Wait until the job is requeued (pending again), then move its start to now (Slurm holds it ~2 minutes).
+
+    The requeue revokes the old run's job credential, and slurmd refuses a new credential issued in the same second
+    ("Killing non-startable batch JobId=N: Job credential revoked", the job then FAILED): the start waits for the
+    next whole second plus one."""
     slurm.wait_for_state(job_id, {"PENDING"}, timeout)
+    time.sleep(2.0 - time.time() % 1.0)
     slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
 
 
