@@ -28,7 +28,7 @@ from gtpo.viz.tokens import (
     token_records,
     write_token_dump,
 )
-from tests.support.viz import RESPONSES, ByteTokenizer, padded_responses, write_dump
+from tests.support.viz import RESPONSES, ByteTokenizer, padded_records, padded_responses, write_dump
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -104,16 +104,7 @@ def _by_key(page: _Page) -> dict[str, list[dict]]:
 
 def test_token_records_drop_padding_and_keep_values():
     ids, mask, adv, ent, scores, uids = padded_responses()
-    recs = token_records(
-        step=3,
-        uids=uids,
-        responses=ids,
-        response_mask=mask,
-        tokenizer=ByteTokenizer(),
-        advantages=adv,
-        entropy=ent,
-        scores=scores,
-    )
+    recs = padded_records(3)
     # Grouped by uid in order of first appearance: p0 rows (0, 1, 3) then p1 rows (2, 4).
     order = [0, 1, 3, 2, 4]
     assert [r["uid"] for r in recs] == [RESPONSES[i][0] for i in order]

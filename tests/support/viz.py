@@ -58,11 +58,11 @@ def padded_responses(pad_len: int = 10):
     return ids, mask, adv, ent, token_scores, uids
 
 
-def write_dump(folder: Path) -> Path:
-    """:data:`RESPONSES` as the token dump of step 7, ``folder/rollouts/tokens_7.jsonl``."""
+def padded_records(step: int, **extra) -> list[dict]:
+    """:data:`RESPONSES` through :func:`token_records` (ids, mask, advantages, entropy, scores), plus ``extra``."""
     ids, mask, adv, ent, scores, uids = padded_responses()
-    recs = token_records(
-        step=7,
+    return token_records(
+        step=step,
         uids=uids,
         responses=ids,
         response_mask=mask,
@@ -70,7 +70,14 @@ def write_dump(folder: Path) -> Path:
         advantages=adv,
         entropy=ent,
         scores=scores,
-        prompts=[f"prompt of {u} <x>" for u in uids],
-        keys=[f"{u}_0_{i}" for i, u in enumerate(uids)],
+        **extra,
+    )
+
+
+def write_dump(folder: Path) -> Path:
+    """:data:`RESPONSES` as the token dump of step 7, ``folder/rollouts/tokens_7.jsonl``."""
+    uids = [u for u, *_ in RESPONSES]
+    recs = padded_records(
+        7, prompts=[f"prompt of {u} <x>" for u in uids], keys=[f"{u}_0_{i}" for i, u in enumerate(uids)]
     )
     return write_token_dump(recs, folder / "rollouts" / "tokens_7.jsonl")
