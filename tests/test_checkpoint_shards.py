@@ -137,7 +137,9 @@ def test_a_resume_at_another_world_size_is_refused_naming_both_and_the_ways_out(
     # The merge command in the message is one verl's model merger accepts, on this checkpoint's actor/.
     from verl.model_merger.base_model_merger import parse_args
 
-    command = shlex.split(message.split("`")[1])
+    reshard_command, merge_command = message.split("`")[1], message.split("`")[3]
+    assert reshard_command == f"python -m gtpo.trainer.reshard --from {folder} --world-size 1"
+    command = shlex.split(merge_command)
     assert command[:3] == ["python", "-m", "verl.model_merger"]
     monkeypatch.setattr(sys, "argv", ["verl.model_merger", *command[3:]])
     args = parse_args()
@@ -163,8 +165,13 @@ def test_the_trainer_refuses_before_any_worker_loads(root, monkeypatch, mode):
 
     loaded = []
     monkeypatch.setattr(PPOTrainerSync, "_load_checkpoint", lambda self: loaded.append(self))
-    save(root, 3, world_size=2)
+    save(root, 3, world_size=2)  # files that are not verl's: resharding them is refused, naming the first
     trainer = make_trainer(root, resume_mode=mode, resume_from_path=str(root / "global_step_3"))
+    unreadable = root / "global_step_3" / "actor" / "model_world_size_2_rank_0.pt"
+    with pytest.raises(RuntimeError, match=re.escape(f"cannot reshard {root / 'global_step_3'} to world size 1: "
+                                                     f"{unreadable} cannot be read as a torch.save file")):
+        trainer._load_checkpoint()
+    trainer.config.algorithm = {"resume": {"other_world_size": "refuse"}}
     with pytest.raises(RuntimeError, match=f"cannot resume from {root / 'global_step_3'} at world size 1 "):
         trainer._load_checkpoint()
     assert loaded == []
@@ -260,6 +267,24 @@ def test_with_a_critic_the_smaller_limit_applies(root):
     assert _steps(root) == [4, 6]
 
 
+def test_the_trainer_reads_the_critic_limit_from_the_critic_key(root):
+    """``prune_for_trainer`` with an actor limit of 3 and a critic limit of 1: after the saves of steps 2, 4 and 6
+    only step 6 is left (a checkpoint without its critic cannot be resumed, so the critic's 1 rules). Reading the
+    critic's limit from the actor's key would keep all three."""
+    layout = CheckpointLayout(use_critic=True)
+    cfg = OmegaConf.create({"default_local_dir": str(root), "max_actor_ckpt_to_keep": 3, "max_critic_ckpt_to_keep": 1})
+    for step in (2, 4, 6):
+        save(root, step, critic=True)
+        checkpoints.prune_for_trainer(cfg, step, layout)
+    assert _steps(root) == [6]
+    assert (root / "global_step_6" / "critic").is_dir()
+    cfg.max_critic_ckpt_to_keep = 3  # the limits swapped: the actor's 3 and the critic's 3 keep all
+    for step in (8, 10):
+        save(root, step, critic=True)
+        checkpoints.prune_for_trainer(cfg, step, layout)
+    assert _steps(root) == [6, 8, 10]
+
+
 def test_a_removal_cut_short_never_leaves_a_complete_looking_folder(root, monkeypatch, caplog):
     for step in (2, 4):
         save(root, step)
@@ -306,7 +331,8 @@ def test_the_trainer_prunes_after_verls_save_and_clears_another_world_size_first
 def _trainer_cfg(root, **kw):
     base = {"resume_mode": "auto", "default_local_dir": str(root), "resume_from_path": None, "nnodes": 1,
             "n_gpus_per_node": 1}  # fmt: skip
-    return OmegaConf.create({**base, **kw})
+    # the refusal (the reshard of real shard files: tests/test_reshard.py)
+    return OmegaConf.create({"trainer": {**base, **kw}, "algorithm": {"resume": {"other_world_size": "refuse"}}})
 
 
 def test_the_driver_refuses_before_ray_starts_where_it_sees_the_folder(root):
@@ -388,7 +414,8 @@ def test_prepare_config_refuses_the_resume_before_ray_starts(root, monkeypatch):
     monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)  # prepare_config sets it; restored afterwards
 
     save(root, 2, world_size=2)
-    cfg = compose(["backend=cpu_tiny", "trainer.resume_mode=auto", f"trainer.default_local_dir={root}"])
+    cfg = compose(["backend=cpu_tiny", "trainer.resume_mode=auto", f"trainer.default_local_dir={root}",
+                   "algorithm.resume.other_world_size=refuse"])  # fmt: skip
     with pytest.raises(RuntimeError, match="saved at world size 2"):
         prepare_config(cfg)
     prepare_config(cfg, dry_run=True)  # a dry run may run where the cluster's storage is not mounted: no check
@@ -408,4 +435,5 @@ def test_prepare_config_reads_an_async_run_checkpoints_as_its_trainer_does(root,
                    f"trainer.default_local_dir={root}"])  # fmt: skip
     prepare_config(cfg)
     with pytest.raises(RuntimeError, match="global_step_4 at world size 1"):
-        prepare_config(compose(["backend=cpu_tiny", "trainer.resume_mode=auto", f"trainer.default_local_dir={root}"]))
+        prepare_config(compose(["backend=cpu_tiny", "trainer.resume_mode=auto", f"trainer.default_local_dir={root}",
+                                "algorithm.resume.other_world_size=refuse"]))  # fmt: skip

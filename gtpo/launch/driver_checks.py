@@ -5,10 +5,10 @@
 sets), inherited from a shell that ran the CPU tests, would put the CPU platform and its gloo-only process groups on
 the GPU workers: no error, a very slow run. The preflight runs it too.
 
-:func:`check_world_size_before_launch` finds the checkpoint a resume would load and refuses it when others could
-have planted files in it or when it was saved at another world size; the trainer checks the world size once more
-before its workers load (:func:`gtpo.trainer.checkpoint_world_size.check_resume_world_size`), for a folder the
-driver does not see.
+:func:`check_world_size_before_launch` finds the checkpoint a resume would load, refuses it when others could have
+planted files in it, and reshards it when it was saved at another world size (or refuses, as
+``algorithm.resume.other_world_size`` says); the trainer does the same once more before its workers load
+(:func:`gtpo.trainer.checkpoint_world_size.match_resume_world_size`), for a folder the driver does not see.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from gtpo.private_files import check_private_dir
-from gtpo.trainer.checkpoint_world_size import check_resume_world_size
+from gtpo.trainer.checkpoint_world_size import match_resume_world_size
 from gtpo.trainer.checkpoints import CheckpointLayout, incomplete_reasons, newest_complete, read_tracker
+from gtpo.trainer.reshard import finish_interrupted_reshards
 
 __all__ = ["CPU_BACKEND_PACKAGE", "check_cpu_backend", "check_world_size_before_launch"]
 
@@ -75,13 +76,13 @@ def _refuse_unless_private(folder: str, what: str, inside: bool) -> None:
         raise RuntimeError(f"cannot resume: {err}") from None
 
 
-def check_world_size_before_launch(trainer_cfg: Any, layout: CheckpointLayout) -> str | None:
-    """The driver's early :func:`~gtpo.trainer.checkpoint_world_size.check_resume_world_size`, before Ray starts
-    or a GPU is allocated: the folder a resume would load (``resume_path``: the named one; ``auto``: the tracker's
-    when complete, else the newest complete one, complete as ``layout`` says,
-    :func:`gtpo.trainer.checkpoints.layout_of`; read only, nothing rewritten). Returns the folder checked; None when
-    there is nothing to check here (no resume, or the checkpoint folder is not visible from the driver: the trainer
-    checks again before loading).
+def check_world_size_before_launch(config: Any, layout: CheckpointLayout) -> str | None:
+    """The driver's early :func:`~gtpo.trainer.checkpoint_world_size.match_resume_world_size`, before Ray starts
+    or a GPU is allocated, on the folder a resume would load (``resume_path``: the named one; ``auto``: the
+    tracker's when complete, else the newest complete one, complete as ``layout`` says,
+    :func:`gtpo.trainer.checkpoints.layout_of`; the tracker is not rewritten; a reshard killed half-way is undone
+    first). Returns the folder checked; None when there is nothing to check here (no resume, or the checkpoint
+    folder is not visible from the driver: the trainer checks again before loading).
 
     First, since verl loads checkpoints with ``torch.load(weights_only=False)`` (code, whatever the file names say),
     the folder and every folder in it must be this user's, writable by neither group nor others, and no symlink;
@@ -90,8 +91,9 @@ def check_world_size_before_launch(trainer_cfg: Any, layout: CheckpointLayout) -
 
     Raises:
         RuntimeError: a folder others could plant files in, named with its owner or mode; or as
-            :func:`gtpo.trainer.checkpoint_world_size.check_resume_world_size`.
+            :func:`gtpo.trainer.checkpoint_world_size.match_resume_world_size`.
     """
+    trainer_cfg = config.trainer
     mode = str(trainer_cfg.get("resume_mode", "disable"))
     if mode == "resume_path" and trainer_cfg.get("resume_from_path"):
         folder = os.path.abspath(str(trainer_cfg.resume_from_path))
@@ -99,6 +101,7 @@ def check_world_size_before_launch(trainer_cfg: Any, layout: CheckpointLayout) -
         root = os.path.abspath(str(trainer_cfg.default_local_dir))
         if os.path.lexists(root):  # before reading anything in it
             _refuse_unless_private(root, "trainer.default_local_dir", inside=False)
+            finish_interrupted_reshards(root)
         step, _ = read_tracker(root)
         named = os.path.join(root, f"global_step_{step}") if step is not None else None
         if named is not None and not incomplete_reasons(named, step, layout):
@@ -111,5 +114,5 @@ def check_world_size_before_launch(trainer_cfg: Any, layout: CheckpointLayout) -
     if folder is None or not os.path.lexists(folder):
         return None
     _refuse_unless_private(folder, "trainer.resume_from_path" if mode == "resume_path" else "checkpoint", inside=True)
-    check_resume_world_size(folder, trainer_cfg.nnodes, trainer_cfg.n_gpus_per_node)
+    match_resume_world_size(folder, config, layout)
     return folder

@@ -20,6 +20,7 @@ KNOB_BLOCKS: dict[str, tuple[str, str]] = {
     "watchdog": ("gtpo.trainer.watchdog", "WatchdogParams"),
     "groups": ("gtpo.trainer.group_sizes", "GroupParams"),
     "preemption": ("gtpo.trainer.preemption", "PreemptionParams"),
+    "resume": ("gtpo.trainer.checkpoint_world_size", "ResumeParams"),
 }
 
 # GROP (paper A, App. D) is applied inside these estimators, to the sequence reward before shaping.

@@ -1,27 +1,71 @@
-"""Checkpoints and the run's world size: a resume at another number of ranks is refused before any worker loads.
+"""Checkpoints and the run's world size: a resume at another number of ranks reshards the checkpoint first (or,
+with ``algorithm.resume.other_world_size=refuse``, is refused), before any worker loads.
 
-A checkpoint saved by ``W`` ranks cannot be loaded by another number: the files of the run's world
-size do not exist, and the run would fail inside a worker. Resharding is not attempted (each FSDP2 shard is a
-rank's slice of DTensors, and the optimizer state is sharded alike): :func:`check_resume_world_size` refuses such a
-resume (``auto`` or ``resume_path``) before any worker loads (the entry point checks it once more before Ray
-starts, :func:`gtpo.launch.driver_checks.check_world_size_before_launch`, where the driver sees the folder), naming
-both sizes, the folder and
-the ways out (resume with ``W`` GPUs, or merge the weights with verl's model merger and start a new run from
-them). A save at step N first removes shard files of another world size left in ``global_step_<N>`` by an
-abandoned attempt (:func:`discard_other_world_sizes`), so the recipe's own saves never mix two sizes in one folder.
+A checkpoint saved by ``W`` ranks cannot be loaded by another number as it is: each of verl's workers loads the files
+named with the run's world size and its own rank. :func:`match_resume_world_size` (called by the driver before Ray
+starts, :func:`gtpo.launch.driver_checks.check_world_size_before_launch`, where it sees the folder, and by the
+trainer before its workers load) leaves a checkpoint of the run's size alone and otherwise:
+
+* ``reshard`` (the default): first refuses what cannot be resharded, naming why (:func:`reshard_problems`: a critic
+  the run has and the checkpoint lacks, a LoRA checkpoint for a full run or the reverse, another model than the
+  run's ``model.path`` by its ``config.json``, an HSDP run); then rewrites each role's shards for the run's ranks in
+  place (:func:`gtpo.trainer.reshard.reshard_checkpoint`, which also refuses a format it does not know);
+* ``refuse``: :func:`check_resume_world_size` raises, naming both sizes, the folder and the ways out (resume with
+  ``W`` GPUs, reshard offline, or merge the weights with verl's model merger and start a new run from them).
+
+A save at step N first removes shard files of another world size left in ``global_step_<N>`` by an abandoned
+attempt (:func:`discard_other_world_sizes`), so the recipe's own saves never mix two sizes in one folder.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import dataclass
+from typing import Any
 
-from gtpo.trainer.checkpoints import ROLE_DIRS, shard_files, shard_name
+from gtpo.trainer.checkpoints import ROLE_DIRS, CheckpointLayout, shard_files, shard_name
 
 __all__ = [
+    "ResumeParams",
     "check_resume_world_size",
     "checkpoint_world_size",
     "discard_other_world_sizes",
+    "match_resume_world_size",
+    "reshard_problems",
+    "run_world_size",
 ]
+
+POLICIES = ("reshard", "refuse")
+# config.json fields that make two checkpoints the same model (a different value: another model's weights)
+MODEL_FIELDS = (
+    "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "vocab_size", "tie_word_embeddings",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ResumeParams:
+    """``algorithm.resume``."""
+
+    other_world_size: str = "reshard"
+
+    def __post_init__(self):
+        if self.other_world_size not in POLICIES:
+            raise ValueError(f"other_world_size={self.other_world_size!r}: must be one of {list(POLICIES)}")
+
+
+def params_of(algorithm: Any) -> ResumeParams:
+    """``algorithm.resume`` of a trainer config, validated (errors name the key)."""
+    from gtpo.knobs import load_knobs
+
+    block = algorithm.get("resume", None) if algorithm is not None else None
+    return load_knobs(ResumeParams, block, "algorithm.resume")
+
+
+def run_world_size(trainer_cfg: Any) -> int:
+    """``trainer.nnodes x trainer.n_gpus_per_node``: verl's actor (and critic) workers fill the whole pool."""
+    return int(trainer_cfg.nnodes) * int(trainer_cfg.n_gpus_per_node)
 
 
 def checkpoint_world_size(folder: str) -> int | None:
@@ -67,9 +111,12 @@ def check_resume_world_size(folder: str, nnodes: int, n_gpus_per_node: int) -> N
         f"cannot resume from {folder} at world size {run} (trainer.nnodes={nnodes} x "
         f"trainer.n_gpus_per_node={n_gpus_per_node}): it was saved at world size {saved} "
         f"({shard_name('model', saved, 0)} ... {shard_name('model', saved, saved - 1)}), and each of verl's workers "
-        f"loads only the shards of its own world size and rank. Either resume on {saved} GPUs "
+        f"loads only the shards of its own world size and rank, and algorithm.resume.other_world_size=refuse. "
+        f"Either resume on {saved} GPUs "
         f"(trainer.nnodes x trainer.n_gpus_per_node = {saved}, e.g. trainer.nnodes={nodes} "
-        f"trainer.n_gpus_per_node={per_node}), or merge its weights into a Hugging Face model, "
+        f"trainer.n_gpus_per_node={per_node}), or reshard it (algorithm.resume.other_world_size=reshard, or "
+        f"`python -m gtpo.trainer.reshard --from {folder} --world-size {run}`), or merge its weights into a Hugging "
+        "Face model, "
         f"`python -m verl.model_merger merge --backend fsdp --local_dir {actor} --target_dir {merged}`, and start a "
         f"new run from them with actor_rollout_ref.model.path={merged} and another trainer.default_local_dir (the "
         "optimizer state, the data order and the step count then start afresh)."
@@ -94,3 +141,100 @@ def discard_other_world_sizes(folder: str, world_size: int) -> list[str]:
                     continue
                 removed.append(path)
     return removed
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _checkpoint_is_lora(role_dir: str, world_size: int) -> bool:
+    """Whether verl saved only the adapter (``save_lora_only``: every model key a ``lora_`` / ``.adapter_`` one) or
+    a model with adapters: any such key in rank 0's model file (memory-mapped, nothing read but the keys)."""
+    import torch
+
+    path = os.path.join(role_dir, shard_name("model", world_size, 0))
+    if not os.path.exists(path):
+        return False
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as err:  # a truncated or foreign file: named, before any worker tries it
+        raise RuntimeError(f"{path} cannot be read as a torch.save file ({type(err).__name__}: {err})") from None
+    return isinstance(state, dict) and any("lora_" in str(key) or ".adapter_" in str(key) for key in state)
+
+
+def reshard_problems(folder: str, config: Any, layout: CheckpointLayout) -> list[str]:
+    """Why the checkpoint ``folder`` cannot be resharded for the run ``config`` (an empty list when it can): what
+    differs between the two is named with the keys to look at."""
+    problems = []
+    actor = os.path.join(folder, "actor")
+    saved = checkpoint_world_size(folder)
+    if layout.use_critic and not shard_files(os.path.join(folder, "critic")):
+        problems.append(f"the run has a critic but {folder}/critic holds no critic shards")
+    model_cfg = config.get("actor_rollout_ref", {}).get("model", None) or {}
+    run_lora = int(model_cfg.get("lora_rank", 0) or 0) > 0
+    try:
+        saved_lora = saved is not None and _checkpoint_is_lora(actor, saved)
+    except RuntimeError as err:
+        return [*problems, str(err)]
+    if saved_lora != run_lora:
+        problems.append(
+            f"the checkpoint holds {'LoRA adapters' if not run_lora else 'a full model without adapters'} and the run "
+            f"trains {'the full model' if not run_lora else 'LoRA adapters'} "
+            f"(actor_rollout_ref.model.lora_rank={model_cfg.get('lora_rank', 0)})"
+        )
+    ours = _read_json(os.path.join(str(model_cfg.get("path", "")), "config.json"))
+    theirs = _read_json(os.path.join(actor, "huggingface", "config.json"))
+    if ours is not None and theirs is not None:
+        differ = [f"{k}: {theirs.get(k)!r} saved, {ours.get(k)!r} in the run" for k in MODEL_FIELDS
+                  if theirs.get(k) != ours.get(k)]  # fmt: skip
+        if differ:
+            problems.append(
+                f"the checkpoint is of another model than actor_rollout_ref.model.path={model_cfg.get('path')} "
+                f"({'; '.join(differ)})"
+            )
+    actor_cfg = config.get("actor_rollout_ref", {}).get("actor", None) or {}
+    fsdp_size = (actor_cfg.get("fsdp_config", None) or {}).get("fsdp_size", -1)
+    run = run_world_size(config.trainer)
+    if isinstance(fsdp_size, int) and 0 < fsdp_size < run:
+        problems.append(
+            f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size} < world size {run} (HSDP): resharding writes "
+            "one-dimensional FSDP2 shards"
+        )
+    return problems
+
+
+def match_resume_world_size(folder: str, config: Any, layout: CheckpointLayout) -> dict[str, int]:
+    """Make the checkpoint ``folder`` loadable at the run's world size, before any worker loads: nothing when it
+    already is; otherwise refuse (``algorithm.resume.other_world_size=refuse``, or what :func:`reshard_problems`
+    names) or reshard it in place. Returns ``{role: old world size}`` of what was resharded.
+
+    Raises:
+        RuntimeError: refused, naming why and the ways out.
+    """
+    from gtpo.trainer.reshard import ReshardRefused, finish_interrupted_reshards, reshard_checkpoint
+
+    folder = os.path.abspath(folder)
+    finish_interrupted_reshards(folder)
+    trainer_cfg = config.trainer
+    run = run_world_size(trainer_cfg)
+    sizes = {role: next(iter(shard_files(os.path.join(folder, role))), None) for role in ROLE_DIRS}
+    if all(size in (None, run) for size in sizes.values()):
+        check_resume_world_size(folder, trainer_cfg.nnodes, trainer_cfg.n_gpus_per_node)  # a mix of sizes: named
+        return {}
+    if params_of(config.get("algorithm", None)).other_world_size == "refuse":
+        check_resume_world_size(folder, trainer_cfg.nnodes, trainer_cfg.n_gpus_per_node)
+        raise RuntimeError(f"cannot resume from {folder}: its critic is at another world size than {run}")
+    problems = reshard_problems(folder, config, layout)
+    if problems:
+        raise RuntimeError(f"cannot reshard {folder} to world size {run}: {'; '.join(problems)}")
+    try:
+        done = reshard_checkpoint(folder, run)
+    except ReshardRefused as err:
+        raise RuntimeError(f"cannot reshard {folder} to world size {run}: {err}") from None
+    print(f"gtpo: resharded {folder} to world size {run}: " + ", ".join(f"{r} from {w}" for r, w in done.items()))
+    return done

@@ -67,6 +67,7 @@ from gtpo.trainer import checkpoint_state, checkpoint_world_size, checkpoints, m
 from gtpo.trainer.dynamic_sampling import bound_generation_rounds
 from gtpo.trainer.group_sizes import GroupParams, group_size_metrics
 from gtpo.trainer.preemption_hooks import TrainerStop
+from gtpo.trainer.reshard import finish_interrupted_reshards
 
 # Estimators registered by this recipe that take the extra keyword arguments.
 RECIPE_ESTIMATORS = frozenset({"gtpo", "grpo_s", "gtpo_traj"})
@@ -193,12 +194,13 @@ class GTPOTrainerMixin:
         resolved = None
         if trainer_cfg.resume_mode == "auto":
             # Before verl's own lookup, which fails on an empty tracker and trusts a half-written folder.
+            finish_interrupted_reshards(trainer_cfg.default_local_dir)
             resolved = checkpoints.resolve_auto_resume(trainer_cfg.default_local_dir, self._checkpoint_layout())
         elif trainer_cfg.resume_mode == "resume_path" and isinstance(trainer_cfg.resume_from_path, str):
             resolved = os.path.abspath(trainer_cfg.resume_from_path)  # as verl resolves it
         if resolved is not None:
-            # Before any worker loads: at another world size each one fails on a shard file that does not exist.
-            checkpoint_world_size.check_resume_world_size(resolved, trainer_cfg.nnodes, trainer_cfg.n_gpus_per_node)
+            # Before any worker loads: at another world size each one would fail on a shard file that does not exist.
+            checkpoint_world_size.match_resume_world_size(resolved, self.config, self._checkpoint_layout())
         super()._load_checkpoint()
         if self.global_steps > 0:
             folder = self._resumed_checkpoint_folder(resolved)

@@ -144,7 +144,7 @@ def prepare_config(config: DictConfig, dry_run: bool = False) -> None:
         check_ray_auth()
         check_checkpoint_engine(config)
         async_mode = verl_mode(str(config.trainer.v1.trainer_mode)) != "sync"
-        check_world_size_before_launch(config.trainer, layout_of(config, need_critic(config), async_mode))
+        check_world_size_before_launch(config, layout_of(config, need_critic(config), async_mode))
         for note in startup_notes(config):
             logger.warning("gtpo: %s", note)
     add_plugin_to_runtime_env(config)

@@ -1,0 +1,354 @@
+"""The shard files of one role folder of a verl 0.9.1 FSDP2 checkpoint, cut again for another world size.
+
+:func:`reshard_role` reads the ``W`` ranks' ``model_`` / ``optim_`` / ``extra_state_world_size_<W>_rank_<r>.pt``
+memory-mapped and writes the ``W'`` new ranks' files one tensor at a time; :mod:`gtpo.trainer.reshard` describes the
+format, the RNG of new ranks and the memory bound, and puts the result in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+from typing import Any
+
+from gtpo.trainer.checkpoints import SHARD_KINDS, shard_files, shard_name
+
+__all__ = ["FSDP_CONFIG", "ReshardRefused", "fsync", "reshard_role", "role_world_size", "shard_names_of"]
+
+FSDP_CONFIG = "fsdp_config.json"  # verl's record of the FSDP version and world size
+
+
+class ReshardRefused(RuntimeError):
+    """The checkpoint cannot be resharded; the message names the file and why."""
+
+
+def _chunk_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rows ``[start, end)`` of dimension 0 that ``rank`` of ``world_size`` holds under ``torch.chunk``'s cut."""
+    per_rank = math.ceil(rows / world_size) if rows else 0
+    return min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
+
+
+def role_world_size(directory: str) -> int | None:
+    """The one world size of the shard files in ``directory``; None without any.
+
+    Raises:
+        ReshardRefused: files of several world sizes.
+    """
+    sizes = sorted(shard_files(directory))
+    if len(sizes) > 1:
+        raise ReshardRefused(f"{directory} mixes the shard files of world sizes {sizes}")
+    return sizes[0] if sizes else None
+
+
+# ---------------------------------------------------------------------------------------------- the file format
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def _check_dtensor(value: Any, where: str, world_size: int, rank: int) -> None:
+    from torch.distributed.tensor import Shard
+
+    mesh = value.device_mesh
+    if mesh.ndim != 1 or mesh.size() != world_size or tuple(value.placements) != (Shard(0),):
+        raise ReshardRefused(
+            f"{where}: a DTensor on mesh {tuple(mesh.shape)} with placements {tuple(value.placements)}; resharding "
+            f"reads FSDP2's one-dimensional mesh of the {world_size} ranks with Shard(0) (an HSDP run, "
+            "fsdp_config.fsdp_size < world size, is not supported)"
+        )
+    if value.dim() == 0:
+        raise ReshardRefused(f"{where}: a zero-dimensional DTensor cannot be cut along dimension 0")
+    start, end = _chunk_rows(value.shape[0], world_size, rank)
+    local = value._local_tensor  # to_local() would dispatch through DTensor; the rows as saved
+    if tuple(local.shape) != (end - start, *value.shape[1:]):
+        raise ReshardRefused(
+            f"{where}: rank {rank} holds local rows of shape {tuple(local.shape)} where torch.chunk's cut of "
+            f"{tuple(value.shape)} over {world_size} ranks gives {(end - start, *value.shape[1:])}"
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and a.dtype == b.dtype and bool(torch.equal(a, b))
+        )  # fmt: skip
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+def _new_mesh(old_mesh: Any, world_size: int, rank: int) -> Any:
+    """A mesh of ``world_size`` ranks as seen by ``rank``, with the old one's device type and dimension name; no
+    process group is created (``_init_backend=False``), the loading rank's own mesh is what it is compared with."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh(
+        old_mesh.device_type, torch.arange(world_size), mesh_dim_names=old_mesh.mesh_dim_names,
+        _init_backend=False, _rank=rank,
+    )  # fmt: skip
+    if hasattr(old_mesh, "_dim_group_names"):
+        mesh._dim_group_names = list(old_mesh._dim_group_names)  # the names a loading rank's groups resolve by
+    return mesh
+
+
+def _skeleton(value: Any, meshes: dict, world_size: int, rank: int) -> Any:
+    """``value`` (rank 0's entry) as new rank ``rank`` stores it, DTensor locals as untouched ``torch.empty``."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if _is_dtensor(value):
+        start, end = _chunk_rows(value.shape[0], world_size, rank)
+        local = torch.empty((end - start, *value.shape[1:]), dtype=value.dtype)
+        key = id(value.device_mesh)
+        if key not in meshes:
+            meshes[key] = _new_mesh(value.device_mesh, world_size, rank)
+        spec = dataclasses.replace(value._spec, mesh=meshes[key])
+        return DTensor(local, spec, requires_grad=value.requires_grad)
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value, device="cpu")
+    if isinstance(value, dict):
+        return {k: _skeleton(v, meshes, world_size, rank) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_skeleton(v, meshes, world_size, rank) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
+def _check_structure(olds: list[Any], where: str, world_size: int) -> None:
+    """Every rank's entry a DTensor of the same global shape cut as FSDP2 cuts it, or the same value everywhere."""
+    import torch
+
+    first = olds[0]
+    if _is_dtensor(first):
+        for rank, value in enumerate(olds):
+            if not _is_dtensor(value) or value.shape != first.shape or value.dtype != first.dtype:
+                raise ReshardRefused(f"{where}: rank {rank}'s entry is not rank 0's DTensor {tuple(first.shape)}")
+            _check_dtensor(value, f"{where} (rank {rank})", world_size, rank)
+        return
+    if type(first).__name__ == "ShardedTensor":
+        raise ReshardRefused(f"{where}: an FSDP1 ShardedTensor; resharding reads FSDP2 checkpoints (strategy=fsdp2)")
+    if isinstance(first, dict):
+        for rank, value in enumerate(olds):
+            if not isinstance(value, dict) or value.keys() != first.keys():
+                raise ReshardRefused(f"{where}: rank {rank} holds other entries than rank 0")
+        for key in first:
+            _check_structure([value[key] for value in olds], f"{where}[{key!r}]", world_size)
+        return
+    if isinstance(first, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in first):
+        for rank, value in enumerate(olds):
+            if type(value) is not type(first) or len(value) != len(first):
+                raise ReshardRefused(f"{where}: rank {rank} holds another sequence than rank 0")
+        for i in range(len(first)):
+            _check_structure([value[i] for value in olds], f"{where}[{i}]", world_size)
+        return
+    for rank, value in enumerate(olds[1:], start=1):
+        if not _same(first, value):
+            raise ReshardRefused(f"{where}: rank {rank}'s value differs from rank 0's; only sharded entries may")
+
+
+def _fill(new: Any, olds: list[Any], world_size_from: int, world_size_to: int, rank: int) -> None:
+    """Copy into ``new`` (the mapped skeleton of new rank ``rank``) its rows from the old ranks' mapped entries."""
+    import torch
+
+    if _is_dtensor(new):
+        rows = new.shape[0]
+        start, end = _chunk_rows(rows, world_size_to, rank)
+        target = new._local_tensor
+        for old_rank, old in enumerate(olds):
+            old_start, old_end = _chunk_rows(rows, world_size_from, old_rank)
+            lo, hi = max(start, old_start), min(end, old_end)
+            if lo < hi:
+                rows_read = old._local_tensor[lo - old_start : hi - old_start]
+                target[lo - start : hi - start].copy_(rows_read)
+                _release(rows_read)
+        _release(target)
+    elif isinstance(new, torch.Tensor):
+        new.copy_(olds[0])
+    elif isinstance(new, dict):
+        for key in new:
+            _fill(new[key], [old[key] for old in olds], world_size_from, world_size_to, rank)
+    elif isinstance(new, (list, tuple)):
+        for i, item in enumerate(new):
+            _fill(item, [old[i] for old in olds], world_size_from, world_size_to, rank)
+
+
+_MADV_DONTNEED = 4  # Linux <sys/mman.h>
+
+
+def _release(mapped: Any) -> None:
+    """Drop the pages of a tensor that lives in a file mapping from this process's resident set (``madvise
+    MADV_DONTNEED``): the old files' pages are clean (mapped read-only, re-read if touched again), the new files' are
+    in the page cache (``MAP_SHARED``), so nothing is lost, and the resident memory stays at one tensor's rows. Only
+    for tensors of :func:`_load_mapped` / the ``MAP_SHARED`` skeleton; a failed call changes nothing but memory."""
+    import ctypes
+    import mmap
+
+    nbytes = mapped.numel() * mapped.element_size()
+    if not nbytes or not sys.platform.startswith("linux"):
+        return
+    page = mmap.PAGESIZE
+    start = mapped.data_ptr() // page * page
+    end = -(-(mapped.data_ptr() + nbytes) // page) * page
+    _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+
+
+@functools.cache
+def _libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _load_mapped(path: str) -> Any:
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as err:  # a truncated or foreign file: name it
+        raise ReshardRefused(f"{path}: cannot be read as a torch.save file ({type(err).__name__}: {err})") from None
+
+
+def fsync(path: str) -> None:
+    """Flush ``path`` (a file or a folder) to disk; a file's pages then leave the page cache too (the reshard reads
+    and writes each byte once)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if os.path.isfile(path) and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _reshard_sharded_kind(src: str, dst: str, kind: str, world_size_from: int, world_size_to: int) -> None:
+    """``model`` or ``optim``: the W old files mapped read-only, each new file a skeleton filled in place."""
+    import mmap
+
+    import torch
+
+    olds = [_load_mapped(os.path.join(src, shard_name(kind, world_size_from, r))) for r in range(world_size_from)]
+    _check_structure(olds, f"{src}/{shard_name(kind, world_size_from, 0)}", world_size_from)
+    for rank in range(world_size_to):
+        path = os.path.join(dst, shard_name(kind, world_size_to, rank))
+        with torch.serialization.skip_data():
+            torch.save(_skeleton(olds[0], {}, world_size_to, rank), path)
+        with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+            new = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        _fill(new, olds, world_size_from, world_size_to, rank)
+        del new  # unmaps; the written pages are the file's
+        fsync(path)
+
+
+def _fresh_rng(rng: dict, step: int, rank: int) -> dict:
+    """CPU, NumPy and Python generator states seeded from ``(step, rank)``, in verl's ``get_rng_state`` layout; the
+    accelerator's state is left out (verl then keeps the worker's own)."""
+    import numpy as np
+    import torch
+
+    seed = int.from_bytes(hashlib.sha256(f"gtpo-reshard:{step}:{rank}".encode()).digest()[:4], "little")
+    fresh = {"cpu": torch.Generator().manual_seed(seed).get_state()}
+    if "numpy" in rng:
+        fresh["numpy"] = np.random.RandomState(seed).get_state()
+    if "random" in rng:
+        fresh["random"] = random.Random(seed).getstate()
+    return fresh
+
+
+def _reshard_extra(src: str, dst: str, world_size_from: int, world_size_to: int, step: int) -> None:
+    import torch
+
+    olds = [
+        _load_mapped(os.path.join(src, shard_name("extra_state", world_size_from, r))) for r in range(world_size_from)
+    ]
+    where = f"{src}/{shard_name('extra_state', world_size_from, 0)}"
+    if not all(isinstance(o, dict) for o in olds) or any(o.keys() != olds[0].keys() for o in olds):
+        raise ReshardRefused(f"{where}: the ranks' extra states hold different entries")
+    shared = {k: v for k, v in olds[0].items() if k != "rng"}
+    _check_structure([{k: v for k, v in o.items() if k != "rng"} for o in olds], where, world_size_from)
+    for rank in range(world_size_to):
+        state = dict(shared)
+        if "rng" in olds[0]:
+            state["rng"] = olds[rank]["rng"] if rank < world_size_from else _fresh_rng(olds[0]["rng"], step, rank)
+        path = os.path.join(dst, shard_name("extra_state", world_size_to, rank))
+        torch.save(state, path)
+        fsync(path)
+
+
+def _copy_others(src: str, dst: str, world_size_to: int) -> None:
+    """What ``src`` holds besides shard files (``huggingface/``, ``fsdp_config.json`` with the new world size)."""
+    shards = shard_names_of(src)
+    for entry in os.scandir(src):
+        if entry.name in shards:
+            continue
+        target = os.path.join(dst, entry.name)
+        if entry.name == FSDP_CONFIG:
+            with open(entry.path) as f:
+                config = json.load(f)
+            config["world_size"] = world_size_to
+            with open(target, "w") as f:
+                json.dump(config, f, indent=4)
+        elif entry.is_dir(follow_symlinks=False):
+            shutil.copytree(entry.path, target, symlinks=True)
+        else:
+            shutil.copy2(entry.path, target, follow_symlinks=False)
+
+
+def shard_names_of(directory: str) -> set[str]:
+    """The names of the shard files in ``directory``."""
+    return {shard_name(k, w, r) for w, files in shard_files(directory).items() for k, r in files}
+
+
+def reshard_role(src: str, dst: str, world_size_to: int, step: int = 0) -> int:
+    """Write into the new folder ``dst`` the role folder ``src`` (``actor/`` or ``critic/``) resharded to
+    ``world_size_to`` ranks; returns the old world size. ``step`` seeds the RNG of ranks beyond the old ones.
+
+    Raises:
+        ReshardRefused: a format not understood, a rank's file missing (nothing is written then but ``dst``).
+    """
+    world_size_from = role_world_size(src)
+    if world_size_from is None:
+        raise ReshardRefused(f"{src} holds no shard files of verl's FSDP checkpoint")
+    files = shard_files(src)[world_size_from]
+    kinds = [k for k in SHARD_KINDS if any(kind == k for kind, _ in files)]
+    for kind in kinds:
+        missing = [r for r in range(world_size_from) if (kind, r) not in files]
+        if missing:
+            raise ReshardRefused(f"{src}: {shard_name(kind, world_size_from, missing[0])} is missing")
+    _check_fsdp_version(src)
+    os.makedirs(dst, mode=0o700)
+    for kind in kinds:
+        if kind == "extra_state":
+            _reshard_extra(src, dst, world_size_from, world_size_to, step)
+        else:
+            _reshard_sharded_kind(src, dst, kind, world_size_from, world_size_to)
+    _copy_others(src, dst, world_size_to)
+    fsync(dst)
+    return world_size_from
+
+
+def _check_fsdp_version(src: str) -> None:
+    path = os.path.join(src, FSDP_CONFIG)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        version = json.load(f).get("FSDP_version")
+    if version != 2:
+        raise ReshardRefused(f"{path}: FSDP_version={version!r}; resharding reads FSDP2 checkpoints (strategy=fsdp2)")
