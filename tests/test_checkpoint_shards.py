@@ -168,8 +168,12 @@ def test_the_trainer_refuses_before_any_worker_loads(root, monkeypatch, mode):
     save(root, 3, world_size=2)  # files that are not verl's: resharding them is refused, naming the first
     trainer = make_trainer(root, resume_mode=mode, resume_from_path=str(root / "global_step_3"))
     unreadable = root / "global_step_3" / "actor" / "model_world_size_2_rank_0.pt"
-    with pytest.raises(RuntimeError, match=re.escape(f"cannot reshard {root / 'global_step_3'} to world size 1: "
-                                                     f"{unreadable} cannot be read as a torch.save file")):
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(
+            f"cannot reshard {root / 'global_step_3'} to world size 1: {unreadable} cannot be read as a torch.save file"
+        ),
+    ):
         trainer._load_checkpoint()
     trainer.config.algorithm = {"resume": {"other_world_size": "refuse"}}
     with pytest.raises(RuntimeError, match=f"cannot resume from {root / 'global_step_3'} at world size 1 "):

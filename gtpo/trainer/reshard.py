@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 
@@ -103,7 +104,8 @@ def reshard_checkpoint(folder: str, world_size_to: int, out: str | None = None) 
     size are left as they are. Returns ``{role: old world size}`` of the roles resharded."""
     folder = os.path.abspath(folder)
     finish_interrupted_reshards(folder)
-    step = int(os.path.basename(folder).rpartition("_")[2]) if os.path.basename(folder)[-1:].isdigit() else 0
+    named = re.fullmatch(r"global_step_(\d+)", os.path.basename(folder))
+    step = int(named.group(1)) if named else 0  # seeds the RNG of ranks beyond the old ones
     if out is not None:
         out = os.path.abspath(out)
         if os.path.lexists(out):
