@@ -211,13 +211,18 @@ def _model_dir(tmp_path: Path, folder: Path, **changes) -> None:
 SYNC = CheckpointLayout()
 
 
-def test_the_resume_reshards_in_place_and_a_second_look_finds_nothing_to_do(saved_at_2, tmp_path, capsys):
+def test_the_resume_reshards_actor_and_critic_in_place_and_a_second_look_finds_nothing_to_do(
+    saved_at_2, tmp_path, capsys
+):
     folder = _copy(saved_at_2[0], tmp_path)
+    shutil.copytree(folder / "actor", folder / "critic")  # a critic's files are the actor's format
     _model_dir(tmp_path, folder)
-    config = _run_config(tmp_path, 3)
-    assert checkpoint_world_size.match_resume_world_size(str(folder), config, SYNC) == {"actor": 2}
-    assert f"gtpo: resharded {folder} to world size 3: actor from 2" in capsys.readouterr().out
-    assert checkpoint_world_size.match_resume_world_size(str(folder), config, SYNC) == {}
+    config, layout = _run_config(tmp_path, 3), CheckpointLayout(use_critic=True)
+    assert checkpoint_world_size.match_resume_world_size(str(folder), config, layout) == {"actor": 2, "critic": 2}
+    assert f"gtpo: resharded {folder} to world size 3: actor from 2, critic from 2" in capsys.readouterr().out
+    assert sorted(shard_files(str(folder / "critic"))) == [3]
+    _assert_same_files(folder / "actor", folder / "critic", 3)
+    assert checkpoint_world_size.match_resume_world_size(str(folder), config, layout) == {}
 
 
 @pytest.mark.parametrize(
