@@ -123,7 +123,8 @@ def shellcheck_binary() -> str:
 
 def test_shellcheck_clean():
     scripts = sorted((REPO / "scripts").glob("run_*_qwen2.5_*.sh"))
-    assert len(scripts) == len(CASES) + 1 and SMOKE in scripts
+    lora = [p for p in scripts if p.name.endswith("_lora.sh")]  # tests/test_lora_presets.py
+    assert len(scripts) == len(CASES) + 1 + len(lora) and SMOKE in scripts and len(lora) == 2
     files = [*scripts, REPO / "scripts" / "common.sh", REPO / "scripts" / "slurm" / "ray_on_slurm.sbatch"]
     files += [REPO / "scripts" / "eval_checkpoint.sh", REPO / "scripts" / "default_python.sh"]
     proc = subprocess.run(

@@ -195,6 +195,7 @@ def run_dry(config: DictConfig) -> None:
 
     from gtpo.launch.async_checks import check_trainer_mode, startup_notes
     from gtpo.launch.memory_estimate import memory_lines
+    from gtpo.launch.state_memory import state_lines
     from gtpo.launch.validation import check_overlong_shaping
 
     plan = batch_plan(cfg, use_reference_policy=bool(need_reference_policy(cfg)))
@@ -262,7 +263,7 @@ def run_dry(config: DictConfig) -> None:
         )
     if resume:
         print(f"[dry run] {resume}")
-    for line in memory_lines(cfg):
+    for line in memory_lines(cfg) + state_lines(cfg):
         print(f"[dry run] {line}")
     print(f"[dry run] {_checkpoint_engine_line(cfg)}")
     for note in startup_notes(cfg):

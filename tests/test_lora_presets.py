@@ -1,0 +1,73 @@
+"""The one-GPU LoRA presets (configs/adapter/lora.yaml, configs/adapter/model/lora_<model>.yaml) and their launchers,
+scripts/run_gtpo_qwen2.5_{3b,7b}_lora.sh: what they resolve to, the dry run they pass, and every method composing
+with adapter=lora.
+
+    .venv/bin/python -m pytest -q tests/test_lora_presets.py
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.support.configs import compose
+from tests.support.launch import dry_run_env, resolved_config, script_path
+
+SIZES = {"3b": "Qwen2.5-3B", "7b": "Qwen2.5-7B"}
+METHODS = ("grpo", "dapo", "dapo_forking", "gtpo", "grpo_s", "gtpo_traj")
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    tmp = tmp_path_factory.mktemp("lora_dry")
+    env = dry_run_env(tmp)
+
+    def run(size):
+        cmd = ["bash", str(script_path("gtpo", f"{size}_lora"))]
+        return size, subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(run, SIZES))
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_the_lora_launcher_dry_run_is_one_gpu_with_the_papers_adapter(dry_runs, size):
+    result = dry_runs[size]
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert "[dry run] OK" in result.stdout
+    cfg = resolved_config(result.stdout)
+    model, actor, rollout = (cfg["actor_rollout_ref"][k] for k in ("model", "actor", "rollout"))
+    assert (cfg["trainer"]["nnodes"], cfg["trainer"]["n_gpus_per_node"]) == (1, 1)
+    assert (model["lora_rank"], model["lora_alpha"], model["target_modules"]) == (128, 128, "all-linear")
+    assert model["path"].endswith(f"/models/{SIZES[size]}")
+    assert actor["optim"]["lr"] == pytest.approx(1e-5) and actor["fsdp_config"]["param_offload"] is True
+    assert (rollout["load_format"], rollout["layered_summon"], rollout["tensor_model_parallel_size"]) == (
+        "safetensors",
+        True,
+        1,
+    )
+    # paper A's batch and lengths, on one GPU
+    assert cfg["data"]["train_batch_size"] == 128 and rollout["n"] == 16
+    assert (
+        "[dry run] resources: 1 node(s) x 1 GPU(s) = 1; ulysses sp=1 -> dp=1; vLLM replicas=1 (tp=1)" in result.stdout
+    )
+    frozen = r"frozen base (\d+\.\d+) B x 4 B / 1 rank\(s\) = (\d+\.\d) GB on the host memory between passes"
+    state = re.search(r"\[dry run\]   actor \(LoRA r=128\): " + frozen, result.stdout)
+    assert state, result.stdout[-3000:]
+    assert float(state.group(2)) == pytest.approx(float(state.group(1)) * 4, abs=0.1)
+    assert "vLLM (tp=1): bf16 weights" in result.stdout
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_composes_with_the_lora_adapter(method):
+    cfg = compose([f"method={method}", "model=qwen2.5_3b", "adapter=lora"])
+    assert cfg.actor_rollout_ref.model.lora_rank == 128 and cfg.trainer.n_gpus_per_node == 1
+    assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 6144  # the 3B one-GPU piece
+
+
+def test_an_unknown_adapter_is_refused_at_composition():
+    with pytest.raises(Exception, match="adapter/qlora"):
+        compose(["method=gtpo", "model=qwen2.5_7b", "adapter=qlora"])
