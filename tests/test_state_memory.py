@@ -27,6 +27,17 @@ def test_the_parameter_count_is_a_real_qwen2s(tied):
     assert arch.parameters == sum(p.numel() for p in model.parameters())
 
 
+def test_the_parameter_count_is_a_real_qwen3s():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    arch = Architecture(3, 64, 4, 2, 32, 96, 101, False, qkv_bias=False, qk_norm=True)
+    config = Qwen3Config(
+        num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=96, vocab_size=101, tie_word_embeddings=False,
+    )  # fmt: skip
+    assert arch.parameters == sum(p.numel() for p in Qwen3ForCausalLM(config).parameters())
+
+
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])
 def test_the_adapter_count_is_peft_s(targets):
     from peft import LoraConfig, get_peft_model
@@ -43,9 +54,12 @@ def test_the_adapter_count_is_peft_s(targets):
 
 
 def test_the_presets_models_match_their_published_sizes():
-    """Qwen2.5's model cards: 3.09 B, 7.61 B, 32.8 B, 0.49 B parameters."""
+    """The model cards: Qwen2.5 3.09 B, 7.61 B, 32.8 B, 0.49 B; Qwen3 8.2 B, 32.8 B parameters."""
     sizes = {k: round(v.parameters / 1e9, 2) for k, v in KNOWN_MODELS.items()}
-    assert sizes == {"Qwen2.5-3B": 3.09, "Qwen2.5-7B": 7.62, "Qwen2.5-32B": 32.76, "Qwen2.5-0.5B-Instruct": 0.49}
+    assert sizes == {
+        "Qwen2.5-3B": 3.09, "Qwen2.5-7B": 7.62, "Qwen2.5-32B": 32.76, "Qwen2.5-0.5B-Instruct": 0.49,
+        "Qwen3-8B-Base": 8.19, "Qwen3-32B": 32.76,
+    }  # fmt: skip
 
 
 def test_a_readable_config_json_wins_over_the_name(tmp_path):

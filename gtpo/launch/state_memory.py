@@ -38,12 +38,16 @@ class Architecture:
     intermediate: int
     vocab: int
     tied: bool
+    qkv_bias: bool = True  # Qwen2's q/k/v projections have biases; Qwen3's do not
+    qk_norm: bool = False  # Qwen3's per-head RMSNorm of queries and keys
 
     @property
     def parameters(self) -> int:
-        """Embedding (+ LM head unless tied), attention (q/k/v with bias, o), MLP (gate/up/down), norms."""
+        """Embedding (+ LM head unless tied), attention (q/k/v, their biases or q/k norms, o), MLP (gate/up/down),
+        norms."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attention = self.hidden * q + q + 2 * (self.hidden * kv + kv) + q * self.hidden
+        attention = self.hidden * (q + 2 * kv) + q * self.hidden
+        attention += (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
         layer = attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * layer + self.hidden
 
@@ -58,6 +62,8 @@ KNOWN_MODELS = {
     "Qwen2.5-7B": Architecture(28, 3584, 28, 4, 128, 18944, 152064, False),
     "Qwen2.5-32B": Architecture(64, 5120, 40, 8, 128, 27648, 152064, False),
     "Qwen2.5-0.5B-Instruct": Architecture(24, 896, 14, 2, 64, 4864, 151936, True),
+    "Qwen3-8B-Base": Architecture(36, 4096, 32, 8, 128, 12288, 151936, False, qkv_bias=False, qk_norm=True),
+    "Qwen3-32B": Architecture(64, 5120, 64, 8, 128, 25600, 151936, False, qkv_bias=False, qk_norm=True),
 }
 
 
@@ -70,7 +76,8 @@ def architecture(model_path: str) -> tuple[Architecture | None, str]:
         arch = Architecture(
             int(c["num_hidden_layers"]), int(c["hidden_size"]), heads, int(c.get("num_key_value_heads", heads)),
             int(c.get("head_dim") or c["hidden_size"] // heads), int(c["intermediate_size"]), int(c["vocab_size"]),
-            bool(c.get("tie_word_embeddings", False)),
+            bool(c.get("tie_word_embeddings", False)), qkv_bias=str(c.get("model_type")) != "qwen3",
+            qk_norm=str(c.get("model_type")) == "qwen3",
         )  # fmt: skip
         return arch, f"{path}"
     except (OSError, ValueError, KeyError, TypeError):
