@@ -200,7 +200,7 @@ def test_dry_run_prints_the_forking_pass_memory_terms(compose, capsys, size, ext
 
     run_dry(compose("method=dapo_forking", f"model=qwen2.5_{size}", *extra))
     out = capsys.readouterr().out
-    assert "vocabulary 152,064: Qwen2.5-7B / 32B's, assumed" in out
+    assert f"vocabulary 152,064: Qwen2.5-{size.upper()}'s, by the folder's name" in out
     for line in lines:
         assert line in out, line
 

@@ -125,7 +125,9 @@ def test_shellcheck_clean():
     scripts = sorted((REPO / "scripts").glob("run_*_qwen2.5_*.sh"))
     lora = [p for p in scripts if p.name.endswith("_lora.sh")]  # tests/test_lora_presets.py
     assert len(scripts) == len(CASES) + 1 + len(lora) and SMOKE in scripts and len(lora) == 2
-    files = [*scripts, REPO / "scripts" / "common.sh", REPO / "scripts" / "slurm" / "ray_on_slurm.sbatch"]
+    qwen3 = sorted((REPO / "scripts").glob("run_*_qwen3_*.sh"))  # tests/test_qwen3_presets.py
+    assert len(qwen3) == 2
+    files = [*scripts, *qwen3, REPO / "scripts" / "common.sh", REPO / "scripts" / "slurm" / "ray_on_slurm.sbatch"]
     files += [REPO / "scripts" / "eval_checkpoint.sh", REPO / "scripts" / "default_python.sh"]
     proc = subprocess.run(
         [shellcheck_binary(), "-x", *[str(p.relative_to(REPO)) for p in files]],

@@ -11,6 +11,10 @@ Nothing is downloaded. Everything is derived from files already installed or shi
   checkpoints: the embedding must cover all 151,665 tokenizer ids, and keeping Qwen's padded size exercises the
   same ``vocab_size > len(tokenizer)`` situation as the real models (ids 151665-151935 can be sampled by a random
   model and decode to nothing, exactly as with an untrained Qwen head). 9.8 M parameters, ~39 MB.
+* Qwen3 variant (:func:`build_tiny_qwen3_assets`, built only when asked for: the slow-tier Qwen3 test): the same
+  tokenizer and data beside a random ``Qwen3ForCausalLM`` with the architecture's own parts: q/k RMS norms, an
+  explicit ``head_dim`` whose heads do not add up to the hidden size (4 query heads x 32 = 128 against hidden 64, as
+  Qwen3-32B's 64 x 128 against 5,120), 2 KV heads, untied embeddings (as Qwen3-8B / 32B); ~19.5 M parameters.
 * Data: verl-format parquet (``data_source``, ``prompt`` as chat messages, ``ability``, ``reward_model.{style,
   ground_truth}``, ``extra_info``), 16 train / 4 val rows taken from the GSM8K test problems of at most 200
   characters in the shared data folder (``GTPO_SHARED_DATA`` or ``<repo>/../shared/data``), so prompts stay under
@@ -50,7 +54,9 @@ __all__ = [
     "TinyAssets",
     "build_model",
     "build_parquets",
+    "build_qwen3_model",
     "build_tiny_assets",
+    "build_tiny_qwen3_assets",
     "build_tokenizer",
     "load_tiktoken_ranks",
     "recipe_key",
@@ -74,6 +80,15 @@ MODEL_RECIPE = dict(
     eos_token_id=151645,
     pad_token_id=151643,
     seed=0,
+)
+
+# The tiny Qwen3: MODEL_RECIPE's sizes with Qwen3's head layout and untied embeddings.
+QWEN3_MODEL_RECIPE = dict(
+    MODEL_RECIPE,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    tie_word_embeddings=False,
 )
 
 DATA_RECIPE = dict(source_file="gsm8k_test.jsonl", n_train=16, n_val=4, max_problem_chars=200)
@@ -136,19 +151,32 @@ def recipe_key() -> str:
 
 def build_model():
     """Random-initialised tiny ``Qwen2ForCausalLM`` (float32, deterministic for the recipe seed)."""
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    recipe = dict(MODEL_RECIPE)
+    return _random_model(Qwen2Config, Qwen2ForCausalLM, MODEL_RECIPE)
+
+
+def build_qwen3_model():
+    """Random-initialised tiny ``Qwen3ForCausalLM`` (q/k norms, head_dim 32 x 4 heads, untied; float32, seeded)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _random_model(Qwen3Config, Qwen3ForCausalLM, QWEN3_MODEL_RECIPE)
+
+
+def _random_model(config_cls, model_cls, recipe: dict):
+    import torch
+    from transformers import GenerationConfig
+
+    recipe = dict(recipe)
     seed = recipe.pop("seed")
-    config = Qwen2Config(**recipe, attn_implementation="sdpa", use_cache=True)
+    config = config_cls(**recipe, attn_implementation="sdpa", use_cache=True)
     config.dtype = torch.float32
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     model.generation_config = GenerationConfig(
-        bos_token_id=MODEL_RECIPE["bos_token_id"],
-        eos_token_id=[MODEL_RECIPE["eos_token_id"], MODEL_RECIPE["bos_token_id"]],
-        pad_token_id=MODEL_RECIPE["pad_token_id"],
+        bos_token_id=recipe["bos_token_id"],
+        eos_token_id=[recipe["eos_token_id"], recipe["bos_token_id"]],
+        pad_token_id=recipe["pad_token_id"],
         do_sample=True,
         temperature=1.0,
         top_p=1.0,
@@ -231,20 +259,31 @@ def build_parquets(out_dir: Path) -> tuple[Path, Path]:
 # cache
 
 
-def _build_into(folder: Path) -> None:
+def _build_into(folder: Path, model_builder=build_model, model_recipe: dict = MODEL_RECIPE) -> None:
     tok = build_tokenizer()
     tok.save_pretrained(folder / "tokenizer")
-    model = build_model()
+    model = model_builder()
     model.save_pretrained(folder / "model", safe_serialization=True)
     build_parquets(folder / "data")
     (folder / "RECIPE.json").write_text(
-        json.dumps({"version": RECIPE_VERSION, "model": MODEL_RECIPE, "data": DATA_RECIPE}, indent=1)
+        json.dumps({"version": RECIPE_VERSION, "model": model_recipe, "data": DATA_RECIPE}, indent=1)
     )
 
 
 def build_tiny_assets(cache_dir: str | os.PathLike | None = None) -> TinyAssets:
     """Build (once per recipe hash) and return the tiny fixture; safe to call concurrently."""
     return build_once(cache_dir, f"qwen25-tiny-{recipe_key()}", _build_into)
+
+
+def build_tiny_qwen3_assets(cache_dir: str | os.PathLike | None = None) -> TinyAssets:
+    """The tiny fixture with a random Qwen3 model instead of the Qwen2 one (same tokenizer and data); its own folder
+    in the same cache, so the Qwen2 fixture is neither rebuilt nor touched."""
+    key = hashlib.sha256(json.dumps([recipe_key(), QWEN3_MODEL_RECIPE], sort_keys=True).encode()).hexdigest()[:12]
+    return build_once(
+        cache_dir,
+        f"qwen3-tiny-{key}",
+        lambda folder: _build_into(folder, build_qwen3_model, QWEN3_MODEL_RECIPE),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,6 +67,11 @@ def vocabulary(cfg: DictConfig) -> tuple[int, str]:
             return vocab, f"vocab_size of {path}"
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    from gtpo.launch.state_memory import KNOWN_MODELS
+
+    known = KNOWN_MODELS.get(path.parent.name)
+    if known is not None:
+        return known.vocab, f"{path.parent.name}'s, by the folder's name: no readable {path}"
     return QWEN25_VOCAB, f"Qwen2.5-7B / 32B's, assumed: no readable {path}"
 
 
