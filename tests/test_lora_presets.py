@@ -71,3 +71,16 @@ def test_every_method_composes_with_the_lora_adapter(method):
 def test_an_unknown_adapter_is_refused_at_composition():
     with pytest.raises(Exception, match="adapter/qlora"):
         compose(["method=gtpo", "model=qwen2.5_7b", "adapter=qlora"])
+
+
+def test_the_demo_trains_lora_adapters_with_one_flag():
+    """``python -m gtpo.cpu.demo --lora-rank R``: the CPU backend's run with rank-R adapters (alpha = R) on every
+    linear layer; a rank below 1 is refused."""
+    from gtpo.cpu.demo_trainer import lora_overrides
+
+    cfg = compose(["backend=cpu_tiny", *lora_overrides(4)])
+    model = cfg.actor_rollout_ref.model
+    assert (model.lora_rank, model.lora_alpha, model.target_modules) == (4, 4, "all-linear")
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            lora_overrides(bad)

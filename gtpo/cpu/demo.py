@@ -118,6 +118,7 @@ from gtpo.cpu.demo_trainer import (
     METHOD_SETTINGS,
     REPO_ROOT,
     demo_overrides,
+    lora_overrides,
     method_overrides,
     trainer_command,
     trainer_env,
@@ -154,6 +155,7 @@ __all__ = [
     "compute_score",
     "demo_command",
     "demo_overrides",
+    "lora_overrides",
     "dry_run",
     "file_logger_records",
     "heatmap_step",
@@ -214,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("RAY_ADDRESS") or None,
         help="join this running Ray cluster, e.g. one from `python -m gtpo.cpu.cluster start` (default $RAY_ADDRESS)",
     )
+    lora_help = "train LoRA adapters of this rank (alpha = rank, every linear layer) instead of the whole model (0)"
+    p.add_argument("--lora-rank", type=int, default=0, help=lora_help)
     p.add_argument("--assets-only", action="store_true", help="build the assets, print their paths and exit")
     p.add_argument(
         "--dry-run",
@@ -241,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     run_name = args.method if args.task == DEFAULT_TASK else f"{args.method}_{args.task}"
+    if args.lora_rank < 0:
+        print(f"error: --lora-rank {args.lora_rank}: must be >= 0 (0: the whole model)", file=sys.stderr)
+        return 2
+    if args.lora_rank:
+        run_name += f"_lora{args.lora_rank}"
+        extra = [*lora_overrides(args.lora_rank), *extra]  # the caller's overrides still come last
     out = Path(args.out or REPO_ROOT / "outputs" / "cpu_demo" / run_name).expanduser().resolve()
     try:
         world = {"nnodes": args.nnodes, "gpus_per_node": args.gpus_per_node}

@@ -150,6 +150,18 @@ def demo_overrides(
     return out
 
 
+def lora_overrides(rank: int) -> list[str]:
+    """LoRA adapters of ``rank`` on every linear layer (alpha = rank, as ``configs/adapter/lora.yaml``), synced to
+    vLLM's LoRA (``punica_cpu``) after each step."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"lora rank={rank!r}: must be a positive int")
+    return [
+        f"actor_rollout_ref.model.lora_rank={rank}",
+        f"actor_rollout_ref.model.lora_alpha={rank}",
+        "actor_rollout_ref.model.target_modules=all-linear",
+    ]
+
+
 def trainer_command(method: str, overrides: list[str], metrics_path: str | os.PathLike, extra: list[str]) -> list[str]:
     """Full command line of the trainer subprocess (run it from the repository root)."""
     return [

@@ -101,6 +101,10 @@ def lora_parameters(arch: Architecture, rank: int, target_modules: object) -> in
     return arch.layers * sum(rank * sum(shapes[n]) for n in names)
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
 def state_lines(cfg: DictConfig) -> list[str]:
     """The dry run's model-sized memory lines for a resolved config."""
     model = cfg.actor_rollout_ref.model
@@ -116,13 +120,13 @@ def state_lines(cfg: DictConfig) -> list[str]:
         adapters = lora_parameters(arch, rank, model.get("target_modules", "all-linear"))
         base_bytes = 2 if str(fsdp.get("model_dtype", "fp32")) in ("bf16", "fp16", "bfloat16", "float16") else 4
         actor = (
-            f"actor (LoRA r={rank}): frozen base {n / 1e9:.2f} B x {base_bytes} B / {world} rank(s) = "
-            f"{n * base_bytes / world / GB:.1f} GB on the {where}; adapters {adapters / 1e6:.1f} M x 16 B "
+            f"actor (LoRA r={rank}): frozen base {_count(n)} x {base_bytes} B / {world} rank(s) = "
+            f"{n * base_bytes / world / GB:.1f} GB on the {where}; adapters {_count(adapters)} x 16 B "
             f"(parameters, gradients, AdamW) = {adapters * 16 / world / GB:.2f} GB"
         )
     else:
         actor = (
-            f"actor: {n / 1e9:.2f} B parameters x 16 B (fp32 parameters, gradients, AdamW) / {world} rank(s) = "
+            f"actor: {_count(n)} parameters x 16 B (fp32 parameters, gradients, AdamW) / {world} rank(s) = "
             f"{n * 16 / world / GB:.1f} GB (parameters on the {where})"
         )
     rollout = cfg.actor_rollout_ref.rollout
