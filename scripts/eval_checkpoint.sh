@@ -11,8 +11,10 @@
 #   DRY_RUN=1 bash scripts/eval_checkpoint.sh ...                            # resolve + validate only, and check
 #                                                                            # the checkpoint is here and complete
 #
-# The checkpoint folder is verl's <trainer.default_local_dir>/global_step_<N>; the evaluation runs on the same
-# cluster shape as training (FSDP shards are loaded as saved). EVAL_DIR must be readable here after the run: with
+# The checkpoint folder is verl's <trainer.default_local_dir>/global_step_<N>; the evaluation runs best on the
+# cluster shape that trained it (on another, the checkpoint is first resharded in place: docs/resume-and-preemption.md).
+# A LoRA checkpoint: the LoRA launcher that trained it (scripts/run_<method>_qwen2.5_<size>_lora.sh) loads base and
+# adapters as its resume does and sends the adapters to vLLM before validating. EVAL_DIR must be readable here after the run: with
 # job submission (RAY_ADDRESS=http://...) put it on storage this shell shares with the cluster.
 set -xeuo pipefail
 # The trace only when asked for, as in scripts/common.sh (GTPO_TRACE=1).

