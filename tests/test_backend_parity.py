@@ -53,23 +53,40 @@ CPU_ONLY = {
     "trainer.logger": "trackers: no W&B account on a test machine; each run that reads metrics adds the file logger",
     "trainer.nnodes": "GPU count",
     "trainer.n_gpus_per_node": "GPU count",
+    "data.apply_chat_template_kwargs": (
+        "Qwen3-32B's thinking switch: the tiny tokenizer's template has no thinking mode; the reward on responses "
+        "that think: tests/test_reward_think.py"
+    ),
+    "actor_rollout_ref.model.lora_rank": (
+        "LoRA (adapter=lora) runs in the slow tier's tests/test_e2e_lora.py and `python -m gtpo.cpu.demo "
+        "--lora-rank`, at ranks the tiny model has room for"
+    ),
+    "actor_rollout_ref.model.lora_alpha": "as lora_rank",
+    "actor_rollout_ref.actor.optim.lr": "learning rate: the adapters' (adapter=lora); the LoRA runs set their own",
+    "actor_rollout_ref.rollout.layered_summon": "LoRA's layer-by-layer adapter gather: as lora_rank",
+    "actor_rollout_ref.rollout.load_format": (
+        "vLLM's start-up weights: the CPU backend starts vLLM on dummy weights and verl's first sync sends the base "
+        "(tests/test_e2e_lora.py checks it loads once); the LoRA preset has vLLM read them from the model folder"
+    ),
 }
 
 
 def preset_files() -> list[Path]:
     configs = REPO_ROOT / "configs"
-    return sorted((configs / "model").glob("*.yaml")) + sorted((configs / "scale").rglob("*.yaml"))
+    pieces = sorted((configs / "scale").rglob("*.yaml")) + sorted((configs / "adapter").rglob("*.yaml"))
+    return sorted((configs / "model").glob("*.yaml")) + pieces
 
 
 def selection(path: Path) -> list[str]:
-    """The config-group choices that load ``path`` (a scale piece needs its scale and its model or method)."""
+    """The config-group choices that load ``path`` (a scale or adapter piece needs its own choice and its model or
+    method)."""
     rel = path.relative_to(REPO_ROOT / "configs")
     if rel.parts[0] == "model":
         return [f"model={path.stem}"]
     if len(rel.parts) == 2:
-        return [f"scale={path.stem}"]
-    scale, rest = path.stem.split("_", 1)
-    return [f"scale={scale}", f"{rel.parts[1]}={rest}"]
+        return [f"{rel.parts[0]}={path.stem}"]
+    choice, rest = path.stem.split("_", 1)
+    return [f"{rel.parts[0]}={choice}", f"{rel.parts[1]}={rest}"]
 
 
 def set_keys(node, prefix: str = "") -> list[str]:

@@ -78,11 +78,11 @@ def test_the_cluster_refuses_what_joins_without_its_token(ray_cluster, ray_sessi
     assert sum(1 for n in ray_session.nodes() if n["Alive"]) == nodes_before  # no node joined
 
     # The dashboard agent's job API on a node: no token, no job.
-    # One of the cluster's own nodes (started on 127.0.0.1); the list says what else the GCS knows if none has one.
+    # A node whose agent listens: a node that joined may list its port as -1 (its agent not up, or none).
     nodes = [n for n in ray_session.nodes() if n["Alive"]]
-    own = [n for n in nodes if n["NodeManagerAddress"] == "127.0.0.1" and (n["DashboardAgentListenPort"] or 0) > 0]
-    assert own, f"no node of the cluster has a dashboard agent port: {nodes}"
-    node, port = own[0], own[0]["DashboardAgentListenPort"]
+    listening = [n for n in nodes if (n["DashboardAgentListenPort"] or 0) > 0]
+    assert listening, f"no node of the cluster has a dashboard agent port: {nodes}"
+    node, port = listening[0], listening[0]["DashboardAgentListenPort"]
     url = f"http://{node['NodeManagerAddress']}:{port}/api/job_agent/jobs/"
     body = b'{"entrypoint": "touch /tmp/gtpo-planted", "submission_id": "rogue"}'
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
