@@ -108,6 +108,14 @@ def shared_data() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_assets():
+    """The CPU backend's offline tiny Qwen2, tokenizer and data (gtpo.cpu.tiny_assets; built once, cached on disk)."""
+    from gtpo.cpu.tiny_assets import build_tiny_assets
+
+    return build_tiny_assets()
+
+
+@pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """The session's one Ray cluster: two simulated nodes (a head and one more raylet, one logical GPU each) shared
     by the end-to-end runs and the Ray-based tests."""

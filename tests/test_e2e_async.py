@@ -23,13 +23,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ASYNC = ["trainer=colocate_async"]
 
 
-@pytest.fixture(scope="session")
-def tiny_assets():
-    from gtpo.cpu.tiny_assets import build_tiny_assets
-
-    return build_tiny_assets()
-
-
 def assert_async_run(result, estimator: str, step: int = 2) -> None:
     data = result.metrics[step - 1]["data"]
     # verl's off-policy metrics, mirrored beside the estimator's

@@ -48,13 +48,6 @@ SYNC_TOL = 3e-4  # |mean log-prob difference - oov_offset| per response, vLLM vs
 MIN_EFFECT = 5e-3  # what the step-2 adapter moves a mean log-prob by, at least (measured 0.021-0.033)
 
 
-@pytest.fixture(scope="session")
-def tiny_assets():
-    from gtpo.cpu.tiny_assets import build_tiny_assets
-
-    return build_tiny_assets()
-
-
 def load_shards(step_dir) -> tuple[dict[str, torch.Tensor], dict]:
     """The full model state dict and the optimizer state of a world-size-1 checkpoint's ``actor/`` folder."""
     actor = step_dir / "actor"

@@ -30,13 +30,6 @@ from tests.support.e2e import REPO_ROOT, WORLD_SIZE_2, RunningRecipe, base_overr
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def tiny_assets():
-    from gtpo.cpu.tiny_assets import build_tiny_assets
-
-    return build_tiny_assets()
-
-
 def test_sigusr1_then_a_prestop_request_each_save_the_step_in_flight_and_exit_85(ray_cluster, tiny_assets, tmp_path):
     ckpt = tmp_path / "ckpt"
     metrics_path = tmp_path / "run.metrics.jsonl"

@@ -44,18 +44,6 @@ PROMPTS_PER_STEP = 2  # the CPU backend's data.train_batch_size
 RUN_TIMEOUT_S = 900
 
 
-@pytest.fixture(scope="session")
-def tiny_assets():
-    from gtpo.cpu.tiny_assets import build_tiny_assets
-
-    return build_tiny_assets()
-
-
-@pytest.fixture(scope="session")
-def cluster(ray_cluster):
-    return ray_cluster
-
-
 def _shards(world_size: int) -> list[str]:
     """The shard files verl's FSDP checkpoint manager writes into ``actor/`` at ``world_size``, sorted."""
     kinds = ("model", "optim", "extra_state")
@@ -137,7 +125,7 @@ def _assert_resharded(result, folder: Path, world_size: int, old: int, step: int
     assert sorted(p.name for p in folder.iterdir() if ".reshard" in p.name or ".pre-reshard" in p.name) == []
 
 
-def test_resume_at_world_size_1_then_2_reshards_and_continues(cluster, tiny_assets, tmp_path):
+def test_resume_at_world_size_1_then_2_reshards_and_continues(ray_cluster, tiny_assets, tmp_path):
     ckpt = tmp_path / "ckpt"
     dumps = tmp_path / "rollouts"
     common = base_overrides(tiny_assets) + [
@@ -154,7 +142,7 @@ def test_resume_at_world_size_1_then_2_reshards_and_continues(cluster, tiny_asse
 
     # 1. World size two, steps 1-2.
     first = run_recipe(
-        cluster, tmp_path, world_2 + ["trainer.total_training_steps=2"], timeout=RUN_TIMEOUT_S, name="reshard"
+        ray_cluster, tmp_path, world_2 + ["trainer.total_training_steps=2"], timeout=RUN_TIMEOUT_S, name="reshard"
     )
     assert_ran(first, steps=2)
     assert first.steps() == [1, 2]
@@ -162,7 +150,7 @@ def test_resume_at_world_size_1_then_2_reshards_and_continues(cluster, tiny_asse
     saved_at_2 = _snapshot(step2 / "actor")
 
     # 2. World size one, steps 3-4, from global_step_2 resharded 2 -> 1.
-    second = _resumed(cluster, tmp_path, world_1, steps=4, name="world1")
+    second = _resumed(ray_cluster, tmp_path, world_1, steps=4, name="world1")
     _assert_resharded(second, step2, world_size=1, old=2, step=2)
     _assert_same_state(saved_at_2, _snapshot(step2 / "actor"), step2)
     del saved_at_2
@@ -174,7 +162,7 @@ def test_resume_at_world_size_1_then_2_reshards_and_continues(cluster, tiny_asse
     saved_at_4 = _snapshot(step4 / "actor")
 
     # 3. World size two, steps 5-6, from global_step_4 resharded 1 -> 2.
-    third = _resumed(cluster, tmp_path, world_2, steps=6, name="world2")
+    third = _resumed(ray_cluster, tmp_path, world_2, steps=6, name="world2")
     _assert_resharded(third, step4, world_size=2, old=1, step=4)
     _assert_same_state(saved_at_4, _snapshot(step4 / "actor"), step4)
     del saved_at_4

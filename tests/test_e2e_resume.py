@@ -49,13 +49,6 @@ H_INI = "gtpo_traj/h_ini"
 RANK_DEATH_BOUND_S = 120
 
 
-@pytest.fixture(scope="session")
-def tiny_assets():
-    from gtpo.cpu.tiny_assets import build_tiny_assets
-
-    return build_tiny_assets()
-
-
 def _prompts(dump_file) -> list[str]:
     """Sorted prompt texts of one step's rollout dump (verl's ``<step>.jsonl``; ``rollout.n`` rows per prompt)."""
     return sorted({json.loads(line)["input"] for line in dump_file.read_text().splitlines() if line.strip()})

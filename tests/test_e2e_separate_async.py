@@ -54,13 +54,6 @@ SEPARATE = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_assets():
-    from gtpo.cpu.tiny_assets import build_tiny_assets
-
-    return build_tiny_assets()
-
-
 def test_separate_async_on_two_nodes_checkpoints_stops_on_sigterm_and_resumes(
     ray_cluster, ray_session, tiny_assets, tmp_path
 ):

@@ -21,13 +21,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture(scope="session")
-def tiny_assets():
-    from gtpo.cpu.tiny_assets import build_tiny_assets
-
-    return build_tiny_assets()
-
-
-@pytest.fixture(scope="session")
 def cluster(ray_cluster):
     return ray_cluster
 

@@ -147,13 +147,6 @@ def _allowed(key: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tiny_assets():
-    from gtpo.cpu.tiny_assets import build_tiny_assets
-
-    return build_tiny_assets()
-
-
-@pytest.fixture(scope="module")
 def demo_assets():
     from gtpo.cpu.demo import build_demo_assets
 

@@ -25,13 +25,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ENGINE_DEATH_BOUND_S = 120
 
 
-@pytest.fixture(scope="module")
-def tiny_assets():
-    from gtpo.cpu.tiny_assets import build_tiny_assets
-
-    return build_tiny_assets()
-
-
 def test_a_dead_vllm_engine_ends_the_run_and_the_resume_loses_nothing(ray_cluster, tiny_assets, tmp_path):
     ckpt = tmp_path / "ckpt"
     overrides = base_overrides(tiny_assets) + [

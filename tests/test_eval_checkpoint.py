@@ -28,13 +28,6 @@ COIN_REWARD = REPO_ROOT / "tests" / "assets" / "coin_reward.py"
 N_SAMPLES = 4
 
 
-@pytest.fixture(scope="module")
-def tiny_assets():
-    from gtpo.cpu.tiny_assets import build_tiny_assets
-
-    return build_tiny_assets()
-
-
 def _benchmarks(assets, folder: Path) -> list[Path]:
     """The tiny validation prompts relabelled as two of Table 1's benchmarks, one parquet each."""
     rows = pd.read_parquet(assets.val_parquet)
