@@ -441,3 +441,14 @@ def test_prepare_config_reads_an_async_run_checkpoints_as_its_trainer_does(root,
     with pytest.raises(RuntimeError, match="global_step_4 at world size 1"):
         prepare_config(compose(["backend=cpu_tiny", "trainer.resume_mode=auto", f"trainer.default_local_dir={root}",
                                 "algorithm.resume.other_world_size=refuse"]))  # fmt: skip
+
+
+def test_a_role_folder_mixing_two_sizes_is_refused_for_the_critic_as_for_the_actor(root):
+    """Shards of two world sizes in ``critic/`` (an abandoned attempt's, beside the saved ones): whichever size the
+    folder listing gave first, the resume stops, naming the folder and both sizes."""
+    folder = save(root, 2, world_size=1, critic=True)
+    write_shards(folder / "critic", world_size=2)
+    cfg = OmegaConf.create({"trainer": {"nnodes": 1, "n_gpus_per_node": 1}, "algorithm": {}})
+    expect = f"cannot resume from {folder}: {folder}/critic mixes the shards of world sizes 1, 2"
+    with pytest.raises(RuntimeError, match=re.escape(expect)):
+        checkpoint_world_size.match_resume_world_size(str(folder), cfg, CheckpointLayout(use_critic=True))

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from gtpo.trainer.checkpoints import ROLE_DIRS, CheckpointLayout, shard_files, shard_name
+from gtpo.trainer.checkpoints import ROLE_DIRS, CheckpointLayout, role_world_size, shard_files, shard_name
 
 __all__ = [
     "ResumeParams",
@@ -75,10 +75,7 @@ def checkpoint_world_size(folder: str) -> int | None:
     Raises:
         ValueError: ``actor/`` holds the shards of several world sizes.
     """
-    found = shard_files(os.path.join(folder, "actor"))
-    if len(found) > 1:
-        raise ValueError(f"{folder}/actor mixes the shards of world sizes {', '.join(map(str, sorted(found)))}")
-    return next(iter(found), None)
+    return role_world_size(os.path.join(folder, "actor"))
 
 
 def _shape_for(world_size: int, n_gpus_per_node: int) -> tuple[int, int]:
@@ -222,9 +219,11 @@ def match_resume_world_size(folder: str, config: Any, layout: CheckpointLayout) 
     finish_interrupted_reshards(folder)
     trainer_cfg = config.trainer
     run = run_world_size(trainer_cfg)
-    sizes = {role: next(iter(shard_files(os.path.join(folder, role))), None) for role in ROLE_DIRS}
+    try:
+        sizes = {role: role_world_size(os.path.join(folder, role)) for role in ROLE_DIRS}
+    except ValueError as err:  # a role folder mixing two sizes
+        raise RuntimeError(f"cannot resume from {folder}: {err}; resume from another checkpoint") from None
     if all(size in (None, run) for size in sizes.values()):
-        check_resume_world_size(folder, trainer_cfg.nnodes, trainer_cfg.n_gpus_per_node)  # a mix of sizes: named
         return {}
     if params_of(config.get("algorithm", None)).other_world_size == "refuse":
         check_resume_world_size(folder, trainer_cfg.nnodes, trainer_cfg.n_gpus_per_node)

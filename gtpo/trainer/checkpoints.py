@@ -74,6 +74,7 @@ __all__ = [
     "prune_checkpoints",
     "read_tracker",
     "resolve_auto_resume",
+    "role_world_size",
     "shard_files",
     "shard_name",
     "step_folders",
@@ -144,6 +145,19 @@ def shard_files(directory: str) -> dict[int, dict[tuple[str, int], int]]:
     except (FileNotFoundError, NotADirectoryError):
         pass
     return found
+
+
+def role_world_size(directory: str) -> int | None:
+    """The one world size of the shard files in ``directory`` (a role folder, ``actor/`` or ``critic/``); None
+    without any.
+
+    Raises:
+        ValueError: files of several world sizes, naming them.
+    """
+    found = shard_files(directory)
+    if len(found) > 1:
+        raise ValueError(f"{directory} mixes the shards of world sizes {', '.join(map(str, sorted(found)))}")
+    return next(iter(found), None)
 
 
 def _some(names: list[str], shown: int = 3) -> str:

@@ -49,7 +49,7 @@ import shutil
 import sys
 
 from gtpo.trainer.checkpoints import ROLE_DIRS
-from gtpo.trainer.reshard_shards import ReshardRefused, fsync, reshard_role, role_world_size
+from gtpo.trainer.reshard_shards import ReshardRefused, fsync, reshard_role, world_size_of
 
 __all__ = [
     "ReshardRefused",
@@ -57,7 +57,6 @@ __all__ = [
     "main",
     "reshard_checkpoint",
     "reshard_role",
-    "role_world_size",
 ]
 
 NEW_SUFFIX = ".reshard"  # <role>.reshard: the resharded copy being written
@@ -118,7 +117,7 @@ def reshard_checkpoint(folder: str, world_size_to: int, out: str | None = None) 
         src = os.path.join(folder, role)
         if not os.path.isdir(src):
             continue
-        size = role_world_size(src)
+        size = world_size_of(src)
         if out is not None and size == world_size_to:
             shutil.copytree(src, os.path.join(partial, role), symlinks=True)
             continue

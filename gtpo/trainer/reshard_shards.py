@@ -18,9 +18,9 @@ import shutil
 import sys
 from typing import Any
 
-from gtpo.trainer.checkpoints import SHARD_KINDS, shard_files, shard_name
+from gtpo.trainer.checkpoints import SHARD_KINDS, role_world_size, shard_files, shard_name
 
-__all__ = ["FSDP_CONFIG", "ReshardRefused", "fsync", "reshard_role", "role_world_size", "shard_names_of"]
+__all__ = ["FSDP_CONFIG", "ReshardRefused", "fsync", "reshard_role", "shard_names_of", "world_size_of"]
 
 FSDP_CONFIG = "fsdp_config.json"  # verl's record of the FSDP version and world size
 
@@ -29,22 +29,18 @@ class ReshardRefused(RuntimeError):
     """The checkpoint cannot be resharded; the message names the file and why."""
 
 
+def world_size_of(directory: str) -> int | None:
+    """:func:`gtpo.trainer.checkpoints.role_world_size`, a mix of sizes refused as what cannot be resharded."""
+    try:
+        return role_world_size(directory)
+    except ValueError as err:
+        raise ReshardRefused(str(err)) from None
+
+
 def _chunk_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
     """Rows ``[start, end)`` of dimension 0 that ``rank`` of ``world_size`` holds under ``torch.chunk``'s cut."""
     per_rank = math.ceil(rows / world_size) if rows else 0
     return min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
-
-
-def role_world_size(directory: str) -> int | None:
-    """The one world size of the shard files in ``directory``; None without any.
-
-    Raises:
-        ReshardRefused: files of several world sizes.
-    """
-    sizes = sorted(shard_files(directory))
-    if len(sizes) > 1:
-        raise ReshardRefused(f"{directory} mixes the shard files of world sizes {sizes}")
-    return sizes[0] if sizes else None
 
 
 # ---------------------------------------------------------------------------------------------- the file format
@@ -323,7 +319,7 @@ def reshard_role(src: str, dst: str, world_size_to: int, step: int = 0) -> int:
     Raises:
         ReshardRefused: a format not understood, a rank's file missing (nothing is written then but ``dst``).
     """
-    world_size_from = role_world_size(src)
+    world_size_from = world_size_of(src)
     if world_size_from is None:
         raise ReshardRefused(f"{src} holds no shard files of verl's FSDP checkpoint")
     files = shard_files(src)[world_size_from]
