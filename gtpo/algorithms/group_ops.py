@@ -18,7 +18,6 @@ __all__ = [
     "segment_sum",
     "group_mean_std",
     "per_row",
-    "masked_group_mean_std",
 ]
 
 
@@ -110,35 +109,3 @@ def group_mean_std(
     std = _sqrt(segment_sum(centred * centred, gid, num_groups) / denom)
     std = torch.where(count > 1, std, torch.zeros_like(std))
     return mean.to(values.dtype), std.to(values.dtype), count.to(torch.long)
-
-
-def masked_group_mean_std(
-    x: torch.Tensor, select: torch.Tensor, gid: torch.Tensor | None, num_groups: int, unbiased: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mean and std over the selected tokens of each group (or of the whole batch when ``gid`` is None).
-
-    Two passes (mean, then centred squares) in float64, so the result does not suffer from cancellation.
-
-    Args:
-        x: ``[B, L]`` values.
-        select: ``[B, L]`` bool, the tokens that enter the statistics.
-        gid: ``[B]`` int64 group ids, or None for one batch-wide set.
-        num_groups: ``NG`` (ignored when ``gid`` is None).
-        unbiased: Bessel-corrected variance.
-
-    Returns:
-        ``(mean, std, count)`` of shape ``[NG]`` (or ``[1]`` batch-wide); index them with ``gid`` to broadcast.
-        ``count`` is the number of selected tokens; std is 0 where ``count <= 1``.
-    """
-    sel = select.to(torch.float64)
-    xd = x.to(torch.float64) * sel
-    if gid is None:
-        gid = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
-        num_groups = 1
-    count = segment_sum(sel.sum(-1), gid, num_groups)
-    mean = segment_sum(xd.sum(-1), gid, num_groups) / count.clamp(min=1)
-    centred = (x.to(torch.float64) - mean[gid][:, None]) * sel
-    denom = (count - 1).clamp(min=1) if unbiased else count.clamp(min=1)
-    std = _sqrt(segment_sum((centred * centred).sum(-1), gid, num_groups) / denom)
-    std = torch.where(count > 1, std, torch.zeros_like(std))
-    return mean, std, count.to(torch.long)

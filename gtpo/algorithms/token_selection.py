@@ -23,14 +23,49 @@ Under ``algorithm.forking.scope=batch`` the threshold is taken once over the who
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FRACTION_KEY", "THRESHOLD_KEY", "batch_threshold_extra_info", "entropy_threshold", "top_entropy_mask"]
+from gtpo.knobs import check_choice, check_flag
+
+__all__ = [
+    "FRACTION_KEY",
+    "THRESHOLD_KEY",
+    "ForkingParams",
+    "batch_threshold_extra_info",
+    "entropy_threshold",
+    "top_entropy_mask",
+]
 
 # The names the driver's whole-batch threshold and realised selected fraction travel under to the workers' loss.
 THRESHOLD_KEY = "forking_entropy_threshold"
 FRACTION_KEY = "forking_selected_frac"
+
+
+SCOPES = ("micro_batch", "batch")
+
+
+@dataclass(frozen=True)
+class ForkingParams:
+    """``algorithm.forking``.
+
+    Attributes:
+        enable: restrict the policy gradient to the forking tokens (the recipe's trainers install the forking loss).
+        rho: kept fraction of highest-entropy tokens (paper 0.2).
+        scope: ``micro_batch`` (the training policy's entropy quantile per micro-batch, the paper's) or ``batch``
+            (the old policy's entropy over the whole batch, taken on the driver).
+    """
+
+    enable: bool = False
+    rho: float = 0.2
+    scope: str = "micro_batch"
+
+    def __post_init__(self) -> None:
+        check_flag("enable", self.enable)
+        _check_rho(self.rho)
+        object.__setattr__(self, "rho", float(self.rho))
+        check_choice("scope", self.scope, SCOPES)
 
 
 def _check_rho(rho: float) -> None:

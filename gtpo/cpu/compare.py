@@ -54,20 +54,17 @@ from gtpo.cpu.compare_results import (
 )
 from gtpo.cpu.demo import DEFAULT_TASK, TASK_WORD_INDEX, build_demo_assets, run_demo
 from gtpo.cpu.demo_trainer import REPO_ROOT
+from gtpo.methods import METHODS
 
-# name -> (method preset, Hydra overrides after the demo's settings). The estimator knobs are the only differences.
+# name -> (method preset, Hydra overrides after the demo's settings): each row of the method table, once per named
+# variant of its knobs (gtpo.methods.Method.variants). The estimator knobs are the only differences.
 CONFIGURATIONS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "grpo": ("grpo", ()),
-    "dapo": ("dapo", ()),
-    "dapo_forking": ("dapo_forking", ()),
-    "gtpo_zero_fill": ("gtpo", ("algorithm.gtpo.norm_mode=zero_fill",)),
-    "gtpo_joint": ("gtpo", ("algorithm.gtpo.norm_mode=joint",)),
-    "gtpo_split": ("gtpo", ("algorithm.gtpo.norm_mode=split",)),
-    "grpo_s_zero_fill": ("grpo_s", ("algorithm.grpo_s.norm_mode=zero_fill",)),
-    "grpo_s_joint": ("grpo_s", ("algorithm.grpo_s.norm_mode=joint",)),
-    "gtpo_traj_paper": ("gtpo_traj", ("algorithm.gtpo_traj.variant=paper",)),
-    "gtpo_traj_code": ("gtpo_traj", ("algorithm.gtpo_traj.variant=code",)),
-    "gtpo_conflict_mask": ("gtpo", ("algorithm.gtpo.conflict_mask=true",)),
+    (f"{row.name}_{suffix}" if suffix else row.name): (
+        row.name,
+        tuple(f"algorithm.{row.knobs}.{override}" for override in overrides),
+    )
+    for row in METHODS.values()
+    for suffix, overrides in (row.variants or {"": ()}).items()
 }
 
 

@@ -69,11 +69,12 @@ def _is_missing(config: DictConfig, key: str) -> bool:
 
 def check_recipe_needs(config: DictConfig, estimator: str, forking_enable: bool, forking_scope: str) -> None:
     """The recipe's estimators and the forking loss need a recipe mode and the old-log-prob pass."""
-    from gtpo.trainer.modes import RECIPE_ESTIMATORS, TRAINER_MODES
+    from gtpo.methods import recipe_estimator
+    from gtpo.trainer.modes import TRAINER_MODES
 
     mode = str(config.trainer.v1.trainer_mode)
     modes = ", ".join(TRAINER_MODES)
-    if estimator in RECIPE_ESTIMATORS and mode not in TRAINER_MODES:
+    if recipe_estimator(estimator) is not None and mode not in TRAINER_MODES:
         raise ValueError(
             f"trainer.v1.trainer_mode={mode!r}: algorithm.adv_estimator={estimator!r} needs one of the recipe's "
             f"trainer modes ({modes}; the ones that hand it the old-policy entropy), e.g. trainer=colocate_async"
@@ -87,7 +88,7 @@ def check_recipe_needs(config: DictConfig, estimator: str, forking_enable: bool,
     if rollout_corr is None or not rollout_corr.get("bypass_mode", False):
         return
     why = "bypass mode skips the old-log-prob pass, which is where verl computes the per-token entropy"
-    if estimator in RECIPE_ESTIMATORS:
+    if recipe_estimator(estimator) is not None:
         raise ValueError(
             f"algorithm.rollout_correction.bypass_mode=true with algorithm.adv_estimator={estimator!r}: {why} this "
             "estimator needs (use decoupled mode: bypass_mode=false)"
@@ -169,9 +170,9 @@ def check_verl_mode_constraints(config: DictConfig) -> None:
 
 def check_trainer_mode(config: DictConfig) -> None:
     """Every trainer-mode check above, on a composed (resolved or not) config."""
-    from gtpo.verl_plugin.forking import load_params
+    from gtpo.methods import knob
 
-    forking = load_params(config.algorithm)
+    forking = knob(config.algorithm, "forking")
     check_recipe_needs(config, str(config.algorithm.adv_estimator), bool(forking.enable), str(forking.scope))
     check_verl_mode_constraints(config)
 
@@ -216,7 +217,7 @@ def check_checkpoint_engine(config: DictConfig) -> None:
 
 def startup_notes(config: DictConfig) -> list[str]:
     """Warnings for a configuration that runs but differs from what its keys suggest (see the module docstring)."""
-    from gtpo.verl_plugin.forking import load_params
+    from gtpo.methods import knob
 
     trainer_mode = str(config.trainer.v1.trainer_mode)
     mode = verl_mode(trainer_mode)
@@ -233,7 +234,7 @@ def startup_notes(config: DictConfig) -> list[str]:
             for key in ("norm_scope", "weight_scope")
             if OmegaConf.select(config, f"algorithm.gtpo.{key}", default=None) == "batch"
         ]
-    forking = load_params(config.algorithm)
+    forking = knob(config.algorithm, "forking")
     if forking.enable and forking.scope == "batch":
         scopes.append("algorithm.forking.scope=batch")
     if not scopes:

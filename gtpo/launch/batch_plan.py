@@ -16,11 +16,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from gtpo.methods import METHODS
+
 __all__ = ["GROUP_ESTIMATORS", "batch_plan", "rollout_pool"]
 
-# Estimators that normalise within a prompt's group of responses: with rollout.n == 1 every advantage is zero.
+# Estimators that normalise within a prompt's group of responses (with rollout.n == 1 every advantage is zero): the
+# method table's grouped rows, and verl's other group estimators.
 GROUP_ESTIMATORS = frozenset(
-    {"grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gtpo", "grpo_s", "gtpo_traj"}
+    {row.adv_estimator for row in METHODS.values() if row.grouped}
+    | {"grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo"}
 )
 
 

@@ -13,7 +13,7 @@ What sets the copies in verl 0.9.1's FSDP engine (``workers/engine/fsdp/transfor
 * an entropy that is backpropagated (any ``entropy_coeff``, even 0, since verl's loss multiplies it in) keeps the
   fp32 copy and the softmax of every chunk for the backward: ``tokens x vocabulary x 4 B x 2`` (measured on CPU by
   tests/test_entropy_compile.py), and its gradient is a third logits copy. The forking loss detaches the entropy
-  when ``entropy_coeff == 0`` (:mod:`gtpo.verl_plugin.forking`), so with ``entropy_checkpointing`` that recompute
+  when ``entropy_coeff == 0`` (:mod:`gtpo.verl_plugin.actor_loss`), so with ``entropy_checkpointing`` that recompute
   never runs.
 
 These are estimates from the code, not GPU measurements.
@@ -92,14 +92,14 @@ def _budget(cfg: DictConfig, key: str) -> int:
 
 def pass_terms(cfg: DictConfig, vocab: int) -> dict[str, list[Term]]:
     """``{"training": [...], "old-log-prob": [...]}``: the vocabulary-sized terms of each pass per GPU."""
-    from gtpo.verl_plugin.forking import load_params
+    from gtpo.methods import knob
 
     actor = cfg.actor_rollout_ref.actor
     chunking = bool(actor.get("entropy_from_logits_with_chunking", False))
     chunk_size = int(actor.get("entropy_from_logits_chunk_size", 2048) or 2048)
     entropy_coeff = float(actor.get("entropy_coeff", 0.0) or 0.0)
     with_entropy = bool(actor.get("calculate_entropy", False)) or entropy_coeff != 0.0
-    forking = load_params(cfg.algorithm)
+    forking = knob(cfg.algorithm, "forking")
     entropy_grad = with_entropy and not (forking.enable and entropy_coeff == 0.0)
 
     def chunk_term(tokens: int, why: str) -> Term:

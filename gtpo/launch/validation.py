@@ -5,37 +5,15 @@ Each check raises ``ValueError`` naming the key and the bad value.
 
 from __future__ import annotations
 
-import importlib
-
 from omegaconf import DictConfig, OmegaConf
 
-# algorithm.<block> -> (module, params dataclass). Every block is parsed even when its estimator is not selected,
-# so a typo in any knob fails at startup instead of being silently ignored.
-KNOB_BLOCKS: dict[str, tuple[str, str]] = {
-    "gtpo": ("gtpo.algorithms.shaping_params", "GTPOParams"),
-    "grpo_s": ("gtpo.algorithms.shaping_params", "GRPOSParams"),
-    "grop": ("gtpo.algorithms.length_penalty", "GROPParams"),
-    "gtpo_traj": ("gtpo.algorithms.trajectory_params", "GTPOTrajParams"),
-    "forking": ("gtpo.verl_plugin.forking", "ForkingParams"),
-    "watchdog": ("gtpo.trainer.watchdog", "WatchdogParams"),
-    "groups": ("gtpo.trainer.group_sizes", "GroupParams"),
-    "preemption": ("gtpo.trainer.preemption", "PreemptionParams"),
-    "resume": ("gtpo.trainer.checkpoint_world_size", "ResumeParams"),
-}
-
-# GROP (paper A, App. D) is applied inside these estimators, to the sequence reward before shaping.
-GROP_COMPATIBLE = frozenset({"gtpo", "grpo_s"})
+from gtpo.methods import KNOBS, METHODS, knob
 
 
 def load_all_knobs(algorithm: DictConfig) -> dict[str, object]:
-    """Parse every declared knob block of ``algorithm`` into its params dataclass (errors name the key)."""
-    from gtpo.knobs import load_knobs
-
-    parsed = {}
-    for block, (module_name, class_name) in KNOB_BLOCKS.items():
-        cls = getattr(importlib.import_module(module_name), class_name)
-        parsed[block] = load_knobs(cls, algorithm.get(block, None), f"algorithm.{block}")
-    return parsed
+    """Parse every knob block of the recipe (:data:`gtpo.methods.KNOBS`), even those of an estimator not selected,
+    so a typo in any knob fails at startup instead of being silently ignored (errors name the key)."""
+    return {block: knob(algorithm, block) for block in KNOBS}
 
 
 def check_overlong_window(buffer_len: object, max_len: object, buffer_key: str, max_key: str) -> None:
@@ -149,10 +127,11 @@ def validate_recipe_config(config: DictConfig) -> None:
     grop_on = bool(knobs["grop"].enable)
     if not config.trainer.get("use_v1", True):
         raise ValueError("trainer.use_v1=False: the gtpo recipe runs on verl's v1 trainer only")
-    if grop_on and estimator not in GROP_COMPATIBLE:
+    applying_grop = sorted({row.adv_estimator for row in METHODS.values() if row.applies_grop})
+    if grop_on and estimator not in applying_grop:
         raise ValueError(
             f"algorithm.grop.enable=true with algorithm.adv_estimator={estimator!r}: GROP is applied by the "
-            f"{sorted(GROP_COMPATIBLE)} estimators and would be silently ignored"
+            f"{applying_grop} estimators and would be silently ignored"
         )
     grop = knobs["grop"]
     response_len = OmegaConf.select(config, "data.max_response_length")

@@ -7,8 +7,8 @@ state belongs to the trainer (``GTPOTrainerMixin.recipe_state``, one block per e
 :func:`new_state`), which hands each estimator its block; two trainers in one process share nothing:
 
 - ``gtpo_traj.h_ini``: the ``<H>_ini`` that ``gtpo_traj``'s ini gate (``variant=paper``) measured on the first
-  batch (written by ``gtpo.verl_plugin.trajectory`` into the block it is given); null if nothing was measured. On
-  resume it is restored unless ``algorithm.gtpo_traj.h_ini`` is set, which always wins.
+  batch (written by :func:`gtpo.algorithms.gtpo_traj.gtpo_traj_advantages` into the block it is given); null if
+  nothing was measured. On resume it is restored unless ``algorithm.gtpo_traj.h_ini`` is set, which always wins.
 
 Nothing else persists across steps: DAPO's generation-round counter (``dynamic_sampling.BoundedDapoReplayBuffer``)
 is reset at every ``sample()`` call, the forking-token parameters are read from the config, and the reward cache

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from typing import Any
 
+from gtpo.methods import knob
 from gtpo.trainer.checkpoints import ROLE_DIRS, CheckpointLayout, role_world_size, shard_files, shard_name
 
 __all__ = [
-    "ResumeParams",
     "check_resume_world_size",
     "checkpoint_world_size",
     "discard_other_world_sizes",
@@ -36,31 +35,11 @@ __all__ = [
     "run_world_size",
 ]
 
-POLICIES = ("reshard", "refuse")
 # config.json fields that make two checkpoints the same model (a different value: another model's weights)
 MODEL_FIELDS = (
     "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "vocab_size", "tie_word_embeddings",
 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class ResumeParams:
-    """``algorithm.resume``."""
-
-    other_world_size: str = "reshard"
-
-    def __post_init__(self):
-        if self.other_world_size not in POLICIES:
-            raise ValueError(f"other_world_size={self.other_world_size!r}: must be one of {list(POLICIES)}")
-
-
-def params_of(algorithm: Any) -> ResumeParams:
-    """``algorithm.resume`` of a trainer config, validated (errors name the key)."""
-    from gtpo.knobs import load_knobs
-
-    block = algorithm.get("resume", None) if algorithm is not None else None
-    return load_knobs(ResumeParams, block, "algorithm.resume")
 
 
 def run_world_size(trainer_cfg: Any) -> int:
@@ -225,7 +204,7 @@ def match_resume_world_size(folder: str, config: Any, layout: CheckpointLayout) 
         raise RuntimeError(f"cannot resume from {folder}: {err}; resume from another checkpoint") from None
     if all(size in (None, run) for size in sizes.values()):
         return {}
-    if params_of(config.get("algorithm", None)).other_world_size == "refuse":
+    if knob(config.get("algorithm", None), "resume").other_world_size == "refuse":
         check_resume_world_size(folder, trainer_cfg.nnodes, trainer_cfg.n_gpus_per_node)
         raise RuntimeError(f"cannot resume from {folder}: its critic is at another world size than {run}")
     problems = reshard_problems(folder, config, layout)

@@ -13,22 +13,9 @@ count under any other name would be averaged over the slices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-__all__ = ["GroupParams", "ShortGroupError", "group_size_metrics"]
-
-
-@dataclass(frozen=True)
-class GroupParams:
-    """``algorithm.groups``."""
-
-    refuse_short: bool = False
-
-    def __post_init__(self):
-        if not isinstance(self.refuse_short, bool):
-            raise ValueError(f"refuse_short={self.refuse_short!r}: must be true or false")
+__all__ = ["ShortGroupError", "group_size_metrics"]
 
 
 class ShortGroupError(RuntimeError):

@@ -62,15 +62,14 @@ from verl.utils.debug import marked_timer
 from verl.workers.utils.padding import response_to_nested
 
 from gtpo.algorithms.token_selection import FRACTION_KEY, THRESHOLD_KEY, batch_threshold_extra_info
-from gtpo.knobs import load_knobs
+from gtpo.knobs import GroupParams
+from gtpo.methods import knob, recipe_estimator
 from gtpo.trainer import checkpoint_state, checkpoint_world_size, checkpoints, metric_history, startup_checks, watchdog
 from gtpo.trainer.dynamic_sampling import bound_generation_rounds
-from gtpo.trainer.group_sizes import GroupParams, group_size_metrics
+from gtpo.trainer.group_sizes import group_size_metrics
 from gtpo.trainer.preemption_hooks import TrainerStop
 from gtpo.trainer.reshard import finish_interrupted_reshards
-
-# Estimators registered by this recipe that take the extra keyword arguments.
-RECIPE_ESTIMATORS = frozenset({"gtpo", "grpo_s", "gtpo_traj"})
+from gtpo.verl_plugin import actor_loss
 
 # verl's staleness metrics (PPOTrainer._compute_metrics) -> the suffix they are also logged under, per estimator.
 STALENESS_METRICS = {
@@ -88,10 +87,6 @@ class GTPOTrainerMixin:
     # The mode verl's base class branches on (replay buffer class, dataloader refill, checkpoint load/save, the
     # trainer.v1.<mode> config block): "sync", "colocate_async" or "separate_async".
     VERL_MODE: str = ""
-
-    def install_actor_loss(self):
-        """The actor loss into the workers (returns the forking knobs or None): set by gtpo.verl_plugin.register."""
-        raise RuntimeError("the recipe's actor loss is not registered: import gtpo.verl_plugin.register")
 
     def __init__(self, config):
         super().__init__(config)
@@ -132,7 +127,7 @@ class GTPOTrainerMixin:
         # A reward worker that failed in its constructor stops the run here, with its own error.
         startup_checks.check_reward_workers(self)
         # Installs the forking-token loss in every actor worker; None unless algorithm.forking.enable.
-        self._forking = self.install_actor_loss()
+        self._forking = actor_loss.install(self)
 
     def fit(self, agent_loop_manager):
         # After a resume the trackers keep the steps up to the checkpoint's, once each (verl's file logger would
@@ -234,7 +229,7 @@ class GTPOTrainerMixin:
     def _compute_metrics(self, batch: KVBatchMeta, metrics, timing_raw, global_steps, epoch):
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
         estimator = str(self.config.algorithm.adv_estimator)
-        if estimator in RECIPE_ESTIMATORS:
+        if recipe_estimator(estimator) is not None:
             # How many policy versions the shaped responses lag behind / span, next to the estimator's own metrics.
             metrics.update(
                 {f"{estimator}/{name}": metrics[key] for key, name in STALENESS_METRICS.items() if key in metrics}
@@ -311,7 +306,7 @@ class GTPOTrainerMixin:
 
     def _compute_advantage(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
         algorithm = self.config.algorithm
-        if str(algorithm.adv_estimator) not in RECIPE_ESTIMATORS:
+        if recipe_estimator(str(algorithm.adv_estimator)) is None:
             return super()._compute_advantage(batch, metrics)
 
         # verl's method copied for two more fields, only (3) differs (docs/architecture.md, Seams: advantage-fields)
@@ -355,7 +350,7 @@ class GTPOTrainerMixin:
         )
 
     def _group_params(self) -> GroupParams:
-        return load_knobs(GroupParams, self.config.algorithm.get("groups", None), "algorithm.groups")
+        return knob(self.config.algorithm, "groups")
 
     def _recipe_advantages(
         self, data: DataProto, batch: KVBatchMeta, metrics: dict

@@ -30,10 +30,9 @@ from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from gtpo.trainer.mixin import RECIPE_ESTIMATORS, GTPOTrainerMixin
+from gtpo.trainer.mixin import GTPOTrainerMixin
 
 __all__ = [
-    "RECIPE_ESTIMATORS",
     "TRAINER_MODE",
     "TRAINER_MODES",
     "GTPOTrainerColocateAsync",

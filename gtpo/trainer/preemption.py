@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import os
 import signal
 import subprocess
@@ -38,14 +37,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from gtpo.knobs import PreemptionParams, parse_deadline
+
 __all__ = [
     "EXIT_CODE",
     "DriverRelay",
     "PreemptedError",
-    "PreemptionParams",
     "StopPolicy",
-    "params_of",
-    "parse_deadline",
     "record_stall",
     "recorded_stall",
     "resolve_deadline",
@@ -59,44 +57,6 @@ KV_NAMESPACE = "gtpo"
 CLUSTER_KEY = "preempt/cluster"
 # Written by a trainer once its stop's checkpoint is complete (what `request --wait` waits for).
 SAVED_KEY = "preempt/saved"
-# Variables the driver hands to the TaskRunner (its node may be another, its environment the raylet's).
-DEADLINE_ENV_VARS = ("SLURM_JOB_ID", "SLURM_JOB_END_TIME")
-# Signals a process cannot handle, and those the driver needs as they are (Ctrl-C, its children, closed pipes).
-UNHANDLEABLE = frozenset({"SIGKILL", "SIGSTOP", "SIGINT", "SIGCHLD", "SIGPIPE"})
-
-
-@dataclass(frozen=True)
-class PreemptionParams:
-    """``algorithm.preemption``."""
-
-    signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM")
-    deadline: str | float | int | None = "auto"
-    margin_s: float = 60.0
-    save_estimate_s: float = 300.0
-    step_factor: float = 1.5
-
-    def __post_init__(self):
-        names = (self.signals,) if isinstance(self.signals, str) else tuple(self.signals or ())
-        for name in names:
-            if not isinstance(name, str) or name not in signal.Signals.__members__ or name in UNHANDLEABLE:
-                allowed = sorted(set(signal.Signals.__members__) - UNHANDLEABLE)
-                raise ValueError(f"signals={list(names)!r}: {name!r} is not a signal the driver can handle ({allowed})")
-        object.__setattr__(self, "signals", names)
-        parse_deadline(self.deadline)  # raises on a bad value
-        for name in ("margin_s", "save_estimate_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{name}={value!r}: must be a number of seconds >= 0")
-        factor = self.step_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor < math.inf:
-            raise ValueError(f"step_factor={factor!r}: must be a number >= 1 (it multiplies the longest step seen)")
-
-
-def params_of(algorithm) -> PreemptionParams:
-    """``algorithm.preemption`` of a trainer config, validated (errors name the key)."""
-    from gtpo.knobs import load_knobs
-
-    return load_knobs(PreemptionParams, algorithm.get("preemption", None), "algorithm.preemption")
 
 
 class PreemptedError(RuntimeError):
@@ -108,33 +68,6 @@ class PreemptedError(RuntimeError):
 
     def __reduce__(self):  # Ray pickles the exception back to the driver
         return (PreemptedError, (str(self), self.step))
-
-
-def parse_deadline(value) -> str | float | None:
-    """``"auto"``, None (no deadline) or a Unix time in seconds; an ISO 8601 string (local time unless it names a
-    zone) becomes a Unix time."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
-        return None
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    if isinstance(value, bool):
-        raise ValueError(f"deadline={value!r}: expected auto, none, a Unix time or an ISO 8601 time")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    else:
-        try:
-            seconds = float(value)
-        except (TypeError, ValueError):
-            try:
-                seconds = dt.datetime.fromisoformat(str(value).strip()).timestamp()
-            except ValueError:
-                raise ValueError(
-                    f"deadline={value!r}: expected auto, none, a Unix time or an ISO 8601 time (2026-12-02T18:00:00)"
-                ) from None
-    # 0 or "0" would stop the run at once (as would nan), where the user meant no deadline
-    if not 0 < seconds < math.inf:
-        raise ValueError(f"deadline={value!r}: a Unix time must be > 0 (none turns the deadline off)")
-    return seconds
 
 
 def slurm_end_time(job_id: str, run=subprocess.run) -> float | None:

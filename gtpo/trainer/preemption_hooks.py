@@ -14,6 +14,7 @@ import contextlib
 import os
 import time
 
+from gtpo.methods import knob
 from gtpo.trainer.preemption import (
     CLUSTER_KEY,
     EXIT_CODE,
@@ -24,7 +25,6 @@ from gtpo.trainer.preemption import (
     current_job_id,
     get_request,
     job_key,
-    params_of,
     put_request,
     resolve_deadline,
 )
@@ -57,7 +57,7 @@ class TrainerStop:
 
     @classmethod
     def for_trainer(cls, algorithm) -> TrainerStop:
-        return cls(params_of(algorithm))
+        return cls(knob(algorithm, "preemption"))
 
     def _stored_request(self) -> str | None:
         for key in self._keys:

@@ -43,7 +43,10 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["EXIT_CODE", "StageTimeoutError", "StageWatchdog", "WatchdogParams", "find_expiry"]
+from gtpo.knobs import WatchdogParams
+from gtpo.methods import knob
+
+__all__ = ["EXIT_CODE", "StageTimeoutError", "StageWatchdog", "find_expiry"]
 
 # The trainer process's exit status when a stalled stage did not end by itself within grace_s.
 EXIT_CODE = 75
@@ -58,23 +61,6 @@ def find_expiry(log_text: str) -> str | None:
         if at >= 0:
             return line[at:].strip()
     return None
-
-
-@dataclass(frozen=True)
-class WatchdogParams:
-    """``algorithm.watchdog``: per-stage limits in seconds (0 = no limit)."""
-
-    weight_sync_s: float = 1800.0
-    generation_s: float = 1800.0
-    grace_s: float = 60.0
-
-    def __post_init__(self):
-        for name in ("weight_sync_s", "generation_s", "grace_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{name}={value!r}: must be a number of seconds >= 0 (0 turns the limit off)")
-        if self.grace_s == 0:
-            raise ValueError("grace_s=0: must be > 0 s (the time the trainer has to fail on its own)")
 
 
 class StageTimeoutError(RuntimeError):
@@ -247,9 +233,7 @@ def params_of(trainer) -> WatchdogParams:
     """The trainer's ``algorithm.watchdog`` block, parsed once."""
     params = trainer.__dict__.get("_gtpo_watchdog_params")
     if params is None:
-        from gtpo.knobs import load_knobs
-
-        params = load_knobs(WatchdogParams, trainer.config.algorithm.get("watchdog", None), KNOB)
+        params = knob(trainer.config.algorithm, "watchdog")
         trainer.__dict__["_gtpo_watchdog_params"] = params
     return params
 

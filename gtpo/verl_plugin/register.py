@@ -1,4 +1,4 @@
-"""Register the recipe's estimators, policy losses and trainer mode into verl's registries.
+"""Register the recipe into verl: every row of the method table, and the trainer modes.
 
 verl imports this module in every process that imports verl, through either hook:
 
@@ -8,31 +8,45 @@ verl imports this module in every process that imports verl, through either hook
   unless ``VERL_USE_EXTERNAL_PLUGINS=none``; its load errors are logged by verl only at DEBUG, so this module
   raises loudly on the first hook instead).
 
-What gets registered:
+What gets registered: each row of :data:`gtpo.methods.METHODS` with a recipe estimator under its ``adv_estimator``
+(``gtpo``, ``grpo_s``, ``gtpo_traj``) and each row's policy loss under its name (``grpo_s``), through the one adapter
+of :mod:`gtpo.verl_plugin.estimators`; the trainer modes ``gtpo_sync``, ``gtpo_colocate_async`` and
+``gtpo_separate_async`` (``trainer.v1.trainer_mode``) are registered by :mod:`gtpo.trainer.modes` on import. A row
+added later (:func:`register_method`: a test's toy method) is registered the same way.
 
-* advantage estimators ``gtpo``, ``grpo_s`` (arXiv 2508.04349) and ``gtpo_traj`` (arXiv 2508.03772);
-* policy losses ``grpo_s`` (sequence-level clipped ratio) and the forking-token loss;
-* trainer modes ``gtpo_sync``, ``gtpo_colocate_async`` and ``gtpo_separate_async`` (``trainer.v1.trainer_mode``):
-  verl's three v1 trainers with the recipe's behaviour (:mod:`gtpo.trainer.modes`), which hands entropy and
-  token ids to the estimators, and the actor loss those trainers install in the workers
-  (:func:`gtpo.verl_plugin.forking.install`).
-
-This is the one module above both rooms: the adapters (the rest of ``gtpo.verl_plugin``) and the trainer's runtime
-(``gtpo.trainer``) import neither each other nor it.
-
-Importing twice is harmless: Python caches the modules, and verl's ``register_adv_est`` only rejects a *different*
-function under a taken name.
+Importing twice is harmless: verl's ``register_adv_est`` and ``register_policy_loss`` reject only a *different*
+function under a taken name, and each row's function is built once.
 """
 
 from __future__ import annotations
 
+from verl.trainer.ppo.core_algos import (
+    ADV_ESTIMATOR_REGISTRY,
+    POLICY_LOSS_REGISTRY,
+    register_adv_est,
+    register_policy_loss,
+)
+
+from gtpo import methods
 from gtpo.trainer import modes
-from gtpo.verl_plugin import entropy_shaping, forking, trajectory  # noqa: F401  (importing registers)
+from gtpo.verl_plugin.estimators import VerlEstimator, verl_policy_loss
 
-# The trainer modes install the recipe's actor loss (forking tokens, or grpo_s's with min / max metrics) after
-# init_workers; the runtime imports no adapter, so the loss is handed to it here.
-modes.GTPOTrainerMixin.install_actor_loss = forking.install
+__all__ = ["ESTIMATORS", "TRAINER_MODES", "register_method"]
 
-ESTIMATORS = tuple(sorted(modes.RECIPE_ESTIMATORS))
-TRAINER_MODE = modes.TRAINER_MODE
 TRAINER_MODES = tuple(modes.TRAINER_MODES)
+
+
+def register_method(method: methods.Method) -> methods.Method:
+    """Add ``method`` to the table (:func:`gtpo.methods.add`) and register its estimator and policy loss into verl."""
+    methods.add(method)
+    if method.advantages is not None and method.adv_estimator not in ADV_ESTIMATOR_REGISTRY:
+        register_adv_est(method.adv_estimator)(VerlEstimator(method))
+    if method.policy_loss is not None and method.name not in POLICY_LOSS_REGISTRY:
+        register_policy_loss(method.name)(verl_policy_loss(method))
+    return method
+
+
+for _row in tuple(methods.METHODS.values()):
+    register_method(_row)
+
+ESTIMATORS = tuple(sorted(row.adv_estimator for row in methods.METHODS.values() if row.advantages is not None))

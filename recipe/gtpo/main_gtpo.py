@@ -26,8 +26,9 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
+from gtpo.methods import knob
 from gtpo.trainer.preemption import EXIT_CODE as PREEMPTED_EXIT
-from gtpo.trainer.preemption import DriverRelay, PreemptedError, params_of, recorded_stall
+from gtpo.trainer.preemption import DriverRelay, PreemptedError, recorded_stall
 from gtpo.trainer.watchdog import EXIT_CODE as STALLED_EXIT
 from gtpo.trainer.watchdog import StageTimeoutError
 from gtpo.verl_plugin.config import merge_module_list
@@ -226,7 +227,7 @@ class HandlersAfterRayInit:
 def run_preemptible(config: DictConfig) -> int:
     """verl's ``run_ppo`` with the stop signals relayed to the trainer; 0, :data:`PREEMPTED_EXIT` after the
     trainer saved and stopped, or :data:`STALLED_EXIT` after the stage watchdog ended a stalled stage."""
-    relay = DriverRelay(params_of(config.algorithm))
+    relay = DriverRelay(knob(config.algorithm, "preemption"))
     relay.install()  # until verl's ray.init; HandlersAfterRayInit installs them again after it
     try:
         run_ppo(config, task_runner_class=HandlersAfterRayInit(ray.remote(GTPOTaskRunner), relay))

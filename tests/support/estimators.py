@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gtpo.algorithms.group_ops import group_ids
-from gtpo.algorithms.shaping_params import GTPOParams
+from gtpo.algorithms.gtpo_token import GTPOParams
 
 
 def response_mask(lengths, width):
