@@ -141,32 +141,32 @@ def make_call(case: str, inp: dict):
 
         fn = ca.compute_grpo_outcome_advantage if case == "grpo" else ca.compute_grpo_vectorized_outcome_advantage
         return lambda: fn(inp["tlr"], inp["mask"], inp["index"])
-    if case.startswith("gtpo_") and case != "gtpo_traj":
-        from gtpo.verl_plugin.entropy_shaping import compute_gtpo_advantage
+    if case in ("gtpo_traj", "grpo_s") or case.startswith("gtpo_"):
+        from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
-        if case == "gtpo_grop":
+        import gtpo.verl_plugin.register  # noqa: F401  (the recipe's estimators in verl's registry)
+
+        if case == "gtpo_traj":
+            cfg = OmegaConf.create({"gtpo_traj": {"h_ini": 0.3}})
+        elif case == "grpo_s":
+            cfg = OmegaConf.create({"grpo_s": {}})
+        elif case == "gtpo_grop":
             cfg = OmegaConf.create({"gtpo": {}, "grop": {"enable": True}})
         else:
             cfg = OmegaConf.create({"gtpo": {"norm_mode": case[len("gtpo_") :]}})
-        return lambda: compute_gtpo_advantage(
-            inp["tlr"], inp["mask"], inp["index"], cfg, entropy=inp["entropy"], metrics={}
-        )
-    if case == "grpo_s":
-        from gtpo.verl_plugin.entropy_shaping import compute_grpo_s_advantage
-
-        cfg = OmegaConf.create({"grpo_s": {}})
-        return lambda: compute_grpo_s_advantage(
-            inp["tlr"], inp["mask"], inp["index"], cfg, entropy=inp["entropy"], metrics={}
-        )
-    if case == "gtpo_traj":
-        from gtpo.verl_plugin.trajectory import compute_gtpo_traj_advantage
-
-        cfg = OmegaConf.create({"gtpo_traj": {"h_ini": 0.3}})
-        return lambda: compute_gtpo_traj_advantage(
-            inp["tlr"], inp["mask"], inp["index"], cfg, entropy=inp["entropy"], responses=inp["responses"], metrics={}
+        fn = get_adv_estimator_fn(case if case in ("gtpo_traj", "grpo_s") else "gtpo")
+        return lambda: fn(
+            inp["tlr"],
+            inp["mask"],
+            inp["index"],
+            cfg,
+            entropy=inp["entropy"],
+            responses=inp.get("responses"),
+            metrics={},
         )
     if case == "conflict":
-        from gtpo.algorithms.trajectory import centred_advantages, conflict_weights
+        from gtpo.algorithms.conflict_tokens import conflict_weights
+        from gtpo.algorithms.gtpo_traj import centred_advantages
 
         _, pol, _ = centred_advantages(inp["correct"].cpu(), inp["gid"].cpu(), inp["ng"], "std")
         pol = pol.to(inp["mask"].device)

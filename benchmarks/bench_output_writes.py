@@ -8,7 +8,7 @@ lengths uniform in ``[L/8, L]``), into four kinds of memory, each allocated anew
   faulted in (and zeroed by the OS) by the write itself; the padding is left to the OS's zeros;
 * ``fresh, 4 KB pages``  the same without the advice;
 * ``torch.empty``        torch's allocation (fresh pages too at this size), every element written;
-* ``kernel_output``      the recipe's output (:func:`gtpo.algorithms.kernel_support.kernel_output`): the previous
+* ``kernel_output``      the recipe's output (:func:`gtpo.algorithms.kernels.kernel_output`): the previous
   output's memory, freed and recycled, every element written, the padding's zeros included.
 
 On the 2-core virtual machine this was measured on, a second thread speeds up the recycled write by a third to a
@@ -37,7 +37,7 @@ from benchmarks import _common as C  # noqa: E402
 def _kernels():
     from numba import njit
 
-    from gtpo.algorithms.kernel_support import jit_options
+    from gtpo.algorithms.kernels import jit_options
 
     @njit(**jit_options())
     def valid_only(lo, hi, n, adv, out):
@@ -64,7 +64,7 @@ def _mapping(rows: int, cols: int, huge: bool):
     import numpy as np
     import torch
 
-    from gtpo.algorithms.kernel_support import _new_mapping
+    from gtpo.algorithms.kernels import _new_mapping
 
     nbytes = rows * cols * 4
     buf = _new_mapping(nbytes) if huge else mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -76,7 +76,7 @@ def measure(rows: int, cols: int, threads: int, repeats: int) -> dict[str, float
     import numpy as np
     import torch
 
-    from gtpo.algorithms.kernel_support import kernel_output, run_blocks
+    from gtpo.algorithms.kernels import kernel_output, run_blocks
 
     torch.set_num_threads(threads)
     rng = np.random.default_rng(0)

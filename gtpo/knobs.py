@@ -33,7 +33,6 @@ __all__ = [
     "check_seconds",
     "load_knobs",
     "parse_deadline",
-    "to_plain",
 ]
 
 # Signals a process cannot handle, and those the driver needs as they are (Ctrl-C, its children, closed pipes).
@@ -42,31 +41,15 @@ UNHANDLEABLE = frozenset({"SIGKILL", "SIGSTOP", "SIGINT", "SIGCHLD", "SIGPIPE"})
 RESUME_POLICIES = ("reshard", "refuse")
 
 
-def to_plain(node: Any) -> Any:
-    """An OmegaConf node (or anything mapping-like) as plain Python containers; other values unchanged."""
-    if node is None:
-        return {}
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(node, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(node, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a hard dependency of verl
-        pass
-    if isinstance(node, Mapping):
-        return dict(node)
-    return node
-
-
 def load_knobs(cls: type[T], node: Any, prefix: str) -> T:
     """Build the frozen dataclass ``cls`` from ``node``; unknown keys and invalid values raise with the key named.
 
     Args:
         cls: a dataclass type whose ``__post_init__`` validates its fields.
-        node: ``DictConfig``, mapping or None (None means all defaults).
+        node: a plain mapping or None (None means all defaults); :func:`gtpo.methods.knob` resolves a config node.
         prefix: the config path of the block, e.g. ``"algorithm.gtpo"``, used in error messages.
     """
-    values = to_plain(node)
+    values = {} if node is None else dict(node) if isinstance(node, Mapping) else node
     if not isinstance(values, Mapping):
         raise ValueError(f"{prefix} must be a mapping of knobs, got {type(values).__name__}: {values!r}")
     names = {f.name for f in dataclasses.fields(cls) if f.init}

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
 from gtpo.algorithms.grpo_s import GRPOSParams, grpo_s_advantages, grpo_s_policy_loss
 from gtpo.algorithms.gtpo_token import GTPOParams, gtpo_token_advantages
 from gtpo.algorithms.gtpo_traj import GTPOTrajParams, gtpo_traj_advantages
@@ -140,7 +142,7 @@ add(
         advantages=gtpo_token_advantages,
         knobs="gtpo",
         params=GTPOParams,
-        needs=(ENTROPY, RESPONSES),
+        needs=(ENTROPY,),
         applies_grop=True,
         variants={
             "zero_fill": ("norm_mode=zero_fill",),
@@ -199,15 +201,16 @@ def knob(algorithm: Any, block: str) -> Any:
     if block not in KNOBS:
         raise ValueError(f"algorithm.{block}: not a knob block of the recipe; valid: {', '.join(sorted(KNOBS))}")
     node = algorithm.get(block, None) if algorithm is not None else None
+    if isinstance(node, (DictConfig, ListConfig)):
+        node = OmegaConf.to_container(node, resolve=True)
     return load_knobs(KNOBS[block], node, f"algorithm.{block}")
 
 
 def fields_needed(algorithm: Any) -> tuple[str, ...]:
-    """What the trainer must fetch from the batch for this config (:data:`FIELDS` keys): the estimator's needs, and
-    the old-policy entropy the forking loss's ``scope=batch`` quantile is taken over."""
+    """What the trainer must fetch from the batch for this config (:data:`FIELDS` keys): the estimator row's needs,
+    those its knobs add (a knob dataclass's ``needs``: GTPO's ``conflict_mask`` compares token ids), and those of the
+    forking loss (its ``scope=batch`` quantile is taken over the old policy's entropy)."""
     row = recipe_estimator(str(algorithm.adv_estimator))
-    needs = list(row.needs) if row is not None else []
-    forking = knob(algorithm, "forking")
-    if forking.enable and forking.scope == "batch" and ENTROPY not in needs:
-        needs.append(ENTROPY)
-    return tuple(needs)
+    needs = list(row.needs) + list(getattr(knob(algorithm, row.knobs), "needs", ())) if row is not None else []
+    needs += knob(algorithm, "forking").needs
+    return tuple(dict.fromkeys(needs))

@@ -73,9 +73,11 @@ import numpy as np
 import pytest
 import torch
 
+from gtpo.methods import METHODS as ROWS
 from tests.support import dp as S
 
-METHODS = ("gtpo", "grpo_s", "gtpo_traj")
+# the recipe's estimators: the rows of the method table that compute their own advantages
+METHODS = tuple(name for name, row in ROWS.items() if row.advantages is not None)
 LOGIT_SCALE = 8.0  # final RMSNorm weight x 8: entropies of an LM's spread (see the module docstring)
 ROUNDING = 2e-6  # fp32 rounding of advantages of magnitude <= 3 (a few ulps), on top of each derived bound
 MIN_ENTROPY_SHIFT = 1e-3  # the bf16 entropy must differ by more than this somewhere (observed 0.015)
@@ -189,13 +191,12 @@ def _relative_error(new: torch.Tensor, old: torch.Tensor) -> float:
 
 def _gtpo_bound(run, adv32: torch.Tensor) -> torch.Tensor:
     from gtpo.algorithms.group_ops import group_ids
-    from gtpo.algorithms.gtpo_token import gtpo_shaped_rewards
+    from gtpo.algorithms.gtpo_token import gtpo_shaped_rewards, reward_bases
     from gtpo.algorithms.length_penalty import grop_penalty
-    from gtpo.algorithms.shaping_inputs import shaping_bases
-    from gtpo.verl_plugin.entropy_shaping import load_grop_params, load_gtpo_params
+    from gtpo.methods import knob
 
     cfg = _config("gtpo").algorithm
-    params = load_gtpo_params(cfg)
+    params = knob(cfg, "gtpo")
     assert (params.norm_mode, params.norm_scope, params.std) == ("zero_fill", "batch", "unbiased")
     valid = run["mask"].bool()
     h32, h16 = run["fp32"]["H"].double(), run["bf16"]["H"].double()
@@ -205,9 +206,9 @@ def _gtpo_bound(run, adv32: torch.Tensor) -> torch.Tensor:
     gid, ng = group_ids(run["index"])
     rewards = run["rewards"].sum(-1)
     correct = rewards > params.reward_threshold
-    pen = grop_penalty(run["mask"].sum(-1), correct, gid, ng, params=load_grop_params(cfg))
+    pen = grop_penalty(run["mask"].sum(-1), correct, gid, ng, params=knob(cfg, "grop"))
     x = gtpo_shaped_rewards(run["fp32"]["H"], run["mask"], rewards, gid, ng, params, reward_offset=pen)
-    base = shaping_bases(rewards, correct, params.negative_base, pen)
+    base = reward_bases(rewards, correct, params.negative_base, pen)
     d = kappa * (x - params.alpha1 * base[:, None]).abs()  # a2 * kappa * W, W = share * count
 
     bound = torch.zeros_like(x)
@@ -223,12 +224,12 @@ def _gtpo_bound(run, adv32: torch.Tensor) -> torch.Tensor:
 def _grpo_s_bound(run, adv32: torch.Tensor) -> torch.Tensor:
     from gtpo.algorithms.group_ops import group_ids
     from gtpo.algorithms.grpo_s import grpo_s_sequence_rewards, sequence_entropy
+    from gtpo.algorithms.gtpo_token import reward_bases
     from gtpo.algorithms.length_penalty import grop_penalty
-    from gtpo.algorithms.shaping_inputs import shaping_bases
-    from gtpo.verl_plugin.entropy_shaping import load_grop_params, load_grpo_s_params
+    from gtpo.methods import knob
 
     cfg = _config("grpo_s").algorithm
-    params = load_grpo_s_params(cfg)
+    params = knob(cfg, "grpo_s")
     assert (params.norm_mode, params.std) == ("zero_fill", "unbiased")
     hbar32 = sequence_entropy(run["fp32"]["H"], run["mask"])
     hbar16 = sequence_entropy(run["bf16"]["H"], run["mask"])
@@ -238,9 +239,9 @@ def _grpo_s_bound(run, adv32: torch.Tensor) -> torch.Tensor:
     gid, ng = group_ids(run["index"])
     rewards = run["rewards"].sum(-1)
     correct = rewards > params.reward_threshold
-    pen = grop_penalty(run["mask"].sum(-1), correct, gid, ng, params=load_grop_params(cfg))
+    pen = grop_penalty(run["mask"].sum(-1), correct, gid, ng, params=knob(cfg, "grop"))
     x = grpo_s_sequence_rewards(hbar32, rewards, gid, ng, params, reward_offset=pen)
-    base = shaping_bases(rewards, correct, params.negative_base, pen)
+    base = reward_bases(rewards, correct, params.negative_base, pen)
     d = kappa * (x - params.beta1 * base).abs()  # b2 * kappa * W
     abs_adv = adv32[:, 0].double().abs()  # every response is non-empty: its first token carries its advantage
 
@@ -258,9 +259,9 @@ def _grpo_s_bound(run, adv32: torch.Tensor) -> torch.Tensor:
 
 def _gtpo_traj_bound(run, adv32: torch.Tensor, metrics: dict[str, dict]) -> torch.Tensor:
     from gtpo.algorithms.grpo_s import sequence_entropy
-    from gtpo.verl_plugin.trajectory import load_params
+    from gtpo.methods import knob
 
-    params = load_params(_config("gtpo_traj").algorithm)
+    params = knob(_config("gtpo_traj").algorithm, "gtpo_traj")
     assert params.agg == "paper_mean" and not params.divide_by_nconf  # no per-row factor beyond lam
     hbar32 = sequence_entropy(run["fp32"]["H"], run["mask"])
     hbar16 = sequence_entropy(run["bf16"]["H"], run["mask"])

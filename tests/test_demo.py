@@ -93,8 +93,8 @@ def test_compute_score_picks_the_rule_by_data_source_and_names_a_foreign_one():
 
 def test_reward_is_binary_zero_one_for_gtpo():
     # GTPO splits correct / incorrect at reward > 0 (reward_threshold 0) with negative base -1: a 0/1 reward fits,
-    # and a correct reward must be > 0 (shaping_inputs.validate_shaping_inputs).
-    from gtpo.algorithms.shaping_params import GTPOParams
+    # and a correct reward must be > 0 (gtpo.algorithms.gtpo_token.check_inputs).
+    from gtpo.algorithms.gtpo_token import GTPOParams
 
     params = GTPOParams()
     assert params.reward_threshold == 0.0 and params.negative_base == "minus_one"

@@ -18,12 +18,19 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
+from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
 
-import gtpo.verl_plugin.entropy_shaping as plugin
-from gtpo.algorithms.entropy_shaping import grpo_s_advantages, gtpo_token_advantages
+import gtpo.verl_plugin.register  # noqa: F401  (the recipe's rows in verl's registries)
 from gtpo.algorithms.group_ops import group_ids
+from gtpo.algorithms.grpo_s import GRPOSParams, grpo_s_advantages
+from gtpo.algorithms.gtpo_token import GTPOParams, gtpo_token_advantages
 from gtpo.algorithms.length_penalty import grop_penalty
-from gtpo.algorithms.shaping_params import GRPOSParams, GTPOParams
+from gtpo.methods import METHODS
+from gtpo.verl_plugin import estimators
+
+compute_gtpo_advantage = get_adv_estimator_fn("gtpo")
+compute_grpo_s_advantage = get_adv_estimator_fn("grpo_s")
+compute_policy_loss_grpo_s = get_policy_loss_fn("grpo_s")
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,21 +61,24 @@ def _algo(**blocks):
 
 
 def test_registered_in_verl():
-    from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
-
-    assert get_adv_estimator_fn("gtpo") is plugin.compute_gtpo_advantage
-    assert get_adv_estimator_fn("grpo_s") is plugin.compute_grpo_s_advantage
-    assert get_policy_loss_fn("grpo_s") is plugin.compute_policy_loss_grpo_s
+    """Every row with a recipe estimator is in verl's registry through the one adapter, and its policy loss too."""
+    for row in METHODS.values():
+        if row.advantages is not None:
+            fn = get_adv_estimator_fn(row.adv_estimator)
+            assert isinstance(fn, estimators.VerlEstimator) and fn.method is row
+        if row.policy_loss is not None:
+            assert get_policy_loss_fn(row.name).__name__ == f"compute_policy_loss_{row.name}"
+    assert {r.name for r in METHODS.values() if r.advantages is not None} == {"gtpo", "grpo_s", "gtpo_traj"}
 
 
 def test_import_needs_only_core_algos_and_starts_no_ray():
     import ast
 
     # in a fresh interpreter: another test of this worker may have started Ray
-    code = "import ray, gtpo.verl_plugin.entropy_shaping; assert not ray.is_initialized()"
+    code = "import ray, gtpo.verl_plugin.estimators; assert not ray.is_initialized()"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    tree = ast.parse(Path(plugin.__file__).read_text())
+    tree = ast.parse(Path(estimators.__file__).read_text())
     verl_imports = {
         node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module.startswith("verl")
     } | {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names if "verl" in a.name}
@@ -83,7 +93,7 @@ def test_gtpo_estimator_equals_pure_function_and_writes_metrics():
     tlr, mask, uids, ent, responses = _verl_batch()
     cfg = _algo(gtpo={"alpha1": 1.0, "alpha2": 0.2, "norm_mode": "joint"})
     metrics: dict = {}
-    adv, ret = plugin.compute_gtpo_advantage(
+    adv, ret = compute_gtpo_advantage(
         token_level_rewards=tlr, response_mask=mask, index=uids, config=cfg, entropy=ent, metrics=metrics
     )
     gid, ng = group_ids(uids)
@@ -99,7 +109,7 @@ def test_gtpo_estimator_equals_pure_function_and_writes_metrics():
 def test_grpo_s_estimator_equals_pure_function_and_writes_metrics():
     tlr, mask, uids, ent, _ = _verl_batch(1)
     metrics: dict = {}
-    adv, ret = plugin.compute_grpo_s_advantage(
+    adv, ret = compute_grpo_s_advantage(
         token_level_rewards=tlr,
         response_mask=mask,
         index=uids,
@@ -118,15 +128,15 @@ def test_grpo_s_estimator_beta2_zero_is_verl_grpo():
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
     tlr, mask, uids, ent, _ = _verl_batch(2)
-    adv, _ = plugin.compute_grpo_s_advantage(tlr, mask, index=uids, config=_algo(grpo_s={"beta2": 0.0}), entropy=ent)
+    adv, _ = compute_grpo_s_advantage(tlr, mask, index=uids, config=_algo(grpo_s={"beta2": 0.0}), entropy=ent)
     expected, _ = compute_grpo_outcome_advantage(tlr, mask, uids)
     torch.testing.assert_close(adv, expected, atol=2e-5, rtol=1e-5)
 
 
 def test_defaults_without_config_block():
     tlr, mask, uids, ent, _ = _verl_batch(3)
-    a1, _ = plugin.compute_gtpo_advantage(tlr, mask, index=uids, config=None, entropy=ent)
-    a2, _ = plugin.compute_gtpo_advantage(tlr, mask, index=uids, config=_algo(), entropy=ent)
+    a1, _ = compute_gtpo_advantage(tlr, mask, index=uids, config=None, entropy=ent)
+    a2, _ = compute_gtpo_advantage(tlr, mask, index=uids, config=_algo(), entropy=ent)
     gid, ng = group_ids(uids)
     expected, _ = gtpo_token_advantages(ent, mask, tlr.sum(-1), gid, ng)
     assert torch.equal(a1, expected) and torch.equal(a2, expected)
@@ -134,10 +144,10 @@ def test_defaults_without_config_block():
 
 def test_extra_verl_kwargs_are_accepted():
     tlr, mask, uids, ent, _ = _verl_batch(4)
-    plugin.compute_gtpo_advantage(tlr, mask, index=uids, config=_algo(), entropy=ent, reward_baselines=None)
+    compute_gtpo_advantage(tlr, mask, index=uids, config=_algo(), entropy=ent, reward_baselines=None)
 
 
-@pytest.mark.parametrize("fn", [plugin.compute_gtpo_advantage, plugin.compute_grpo_s_advantage])
+@pytest.mark.parametrize("fn", [compute_gtpo_advantage, compute_grpo_s_advantage])
 def test_estimators_reject_missing_inputs(fn):
     tlr, mask, uids, ent, _ = _verl_batch()
     with pytest.raises(ValueError, match="entropy"):
@@ -166,19 +176,19 @@ def test_estimators_reject_missing_inputs(fn):
 def test_bad_knobs_name_the_key(blocks, match):
     tlr, mask, uids, ent, _ = _verl_batch()
     with pytest.raises(ValueError, match=match):
-        plugin.compute_gtpo_advantage(tlr, mask, index=uids, config=_algo(**blocks), entropy=ent)
+        compute_gtpo_advantage(tlr, mask, index=uids, config=_algo(**blocks), entropy=ent)
 
 
 def test_bad_grpo_s_knob_names_the_key():
     tlr, mask, uids, ent, _ = _verl_batch()
     with pytest.raises(ValueError, match=r"algorithm\.grpo_s\.beta1"):
-        plugin.compute_grpo_s_advantage(tlr, mask, index=uids, config=_algo(grpo_s={"beta1": -2}), entropy=ent)
+        compute_grpo_s_advantage(tlr, mask, index=uids, config=_algo(grpo_s={"beta1": -2}), entropy=ent)
 
 
 @pytest.mark.parametrize("name", ["gtpo", "grpo_s"])
 def test_grop_enabled_adds_penalty_to_the_base(name):
     tlr, mask, uids, ent, _ = _verl_batch(5)
-    fn = plugin.compute_gtpo_advantage if name == "gtpo" else plugin.compute_grpo_s_advantage
+    fn = compute_gtpo_advantage if name == "gtpo" else compute_grpo_s_advantage
     metrics: dict = {}
     adv, _ = fn(tlr, mask, index=uids, config=_algo(grop={"enable": True}), entropy=ent, metrics=metrics)
     gid, ng = group_ids(uids)
@@ -192,20 +202,18 @@ def test_grop_enabled_adds_penalty_to_the_base(name):
     torch.testing.assert_close(adv, expected)
     assert metrics["grop/penalty_mean"] == pytest.approx(float(pen.mean()))
     assert metrics["grop/penalised_frac"] == pytest.approx(float((pen < 0).float().mean()))
-    assert name in plugin.ESTIMATORS_APPLYING_GROP
+    assert METHODS[name].applies_grop
     adv_off, _ = fn(tlr, mask, index=uids, config=_algo(grop={"enable": False}), entropy=ent)
     assert not torch.equal(adv_off, adv)
 
 
 def test_gtpo_conflict_mask_through_the_adapter():
-    try:
-        from gtpo.algorithms.trajectory import conflict_weights
-    except ImportError as err:  # pragma: no cover - depends on the sibling module being present
-        pytest.skip(f"gtpo.algorithms.trajectory.conflict_weights not importable yet: {err}")
+    from gtpo.algorithms.conflict_tokens import conflict_weights
+
     tlr, mask, uids, ent, responses = _verl_batch(6)
     cfg = _algo(gtpo={"conflict_mask": True})
     metrics: dict = {}
-    adv, _ = plugin.compute_gtpo_advantage(
+    adv, _ = compute_gtpo_advantage(
         tlr, mask, index=uids, config=cfg, entropy=ent, responses=responses, metrics=metrics
     )
     gid, ng = group_ids(uids)
@@ -215,7 +223,7 @@ def test_gtpo_conflict_mask_through_the_adapter():
     torch.testing.assert_close(adv, base * lam)
     assert metrics["gtpo/conflict_token_frac"] == pytest.approx(float(is_conflict.sum()) / float(mask.sum()))
     with pytest.raises(ValueError, match="responses"):
-        plugin.compute_gtpo_advantage(tlr, mask, index=uids, config=cfg, entropy=ent)
+        compute_gtpo_advantage(tlr, mask, index=uids, config=cfg, entropy=ent)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -329,7 +337,7 @@ def test_registered_loss_closed_form_and_gradients(actor_config):
 def test_registered_loss_on_policy(actor_config):
     old, _, adv, mask = _loss_inputs(1)
     logp = old.clone().requires_grad_(True)
-    loss, metrics = plugin.compute_policy_loss_grpo_s(old, logp, adv, mask, "seq-mean-token-mean", actor_config)
+    loss, metrics = compute_policy_loss_grpo_s(old, logp, adv, mask, "seq-mean-token-mean", actor_config)
     assert metrics["grpo_s/seq_ratio_mean"] == 1.0 and metrics["grpo_s/seq_clipfrac"] == 0.0
     assert metrics["grpo_s/ppo_kl"] == 0.0
     torch.testing.assert_close(loss.detach(), -adv[:, 0].mean())
@@ -341,10 +349,10 @@ def test_registered_loss_on_policy(actor_config):
 def test_registered_loss_micro_batches_sum_to_mini_batch(actor_config):
     """With global_batch_size set (as ppo_loss does), micro-batch losses add up to the mini-batch mean."""
     old, new, adv, mask = _loss_inputs(2)
-    full, _ = plugin.compute_policy_loss_grpo_s(old, new, adv, mask, "seq-mean-token-mean", actor_config)
+    full, _ = compute_policy_loss_grpo_s(old, new, adv, mask, "seq-mean-token-mean", actor_config)
     actor_config.global_batch_info.update(global_batch_size=5)
     parts = [
-        plugin.compute_policy_loss_grpo_s(old[s], new[s], adv[s], mask[s], "seq-mean-token-mean", actor_config)[0]
+        compute_policy_loss_grpo_s(old[s], new[s], adv[s], mask[s], "seq-mean-token-mean", actor_config)[0]
         for s in (slice(0, 2), slice(2, 5))
     ]
     torch.testing.assert_close(sum(parts), full, atol=1e-6, rtol=1e-6)
@@ -352,8 +360,8 @@ def test_registered_loss_micro_batches_sum_to_mini_batch(actor_config):
 
 def test_registered_loss_token_mean_is_length_weighted(actor_config):
     old, new, adv, mask = _loss_inputs(3)
-    seq, _ = plugin.compute_policy_loss_grpo_s(old, new, adv, mask, "seq-mean-token-mean", actor_config)
-    tok, _ = plugin.compute_policy_loss_grpo_s(old, new, adv, mask, "token-mean", actor_config)
+    seq, _ = compute_policy_loss_grpo_s(old, new, adv, mask, "seq-mean-token-mean", actor_config)
+    tok, _ = compute_policy_loss_grpo_s(old, new, adv, mask, "token-mean", actor_config)
     m = mask.float()
     lens = m.sum(-1)
     w = (torch.exp(new - old) * m).sum(-1) / lens
@@ -365,8 +373,8 @@ def test_registered_loss_token_mean_is_length_weighted(actor_config):
 
 def test_registered_loss_applies_rollout_is_weights(actor_config):
     old, new, adv, mask = _loss_inputs(4)
-    base, _ = plugin.compute_policy_loss_grpo_s(old, new, adv, mask, "seq-mean-token-mean", actor_config)
-    scaled, _ = plugin.compute_policy_loss_grpo_s(
+    base, _ = compute_policy_loss_grpo_s(old, new, adv, mask, "seq-mean-token-mean", actor_config)
+    scaled, _ = compute_policy_loss_grpo_s(
         old, new, adv, mask, "seq-mean-token-mean", actor_config, rollout_is_weights=torch.full(old.shape, 0.5)
     )
     torch.testing.assert_close(scaled, 0.5 * base)
@@ -381,9 +389,9 @@ def test_registered_loss_detaches_entropy_path(actor_config):
     mask = torch.ones(4, 3, dtype=torch.bool)
     tlr = torch.zeros(4, 3)
     tlr[:, -1] = torch.tensor([1.0, -1.0, 1.0, -1.0])
-    adv, _ = plugin.compute_grpo_s_advantage(tlr, mask, index=np.array(["a"] * 4, dtype=object), entropy=ent)
+    adv, _ = compute_grpo_s_advantage(tlr, mask, index=np.array(["a"] * 4, dtype=object), entropy=ent)
     logp = torch.randn(4, 3, requires_grad=True)
-    loss, _ = plugin.compute_policy_loss_grpo_s(
+    loss, _ = compute_policy_loss_grpo_s(
         logp.detach() - 0.1, logp, adv, mask, "seq-mean-token-mean", actor_config
     )
     loss.backward()

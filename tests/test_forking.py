@@ -89,7 +89,7 @@ def test_no_gradient_through_mask():
 
 
 def _loss(params, *args, **kwargs):
-    from gtpo.verl_plugin.forking import ForkingPPOLoss
+    from gtpo.verl_plugin.actor_loss import ForkingPPOLoss
 
     data, out, logp, ent_leaf = micro_batch(*args, **kwargs)
     loss, metrics = ForkingPPOLoss(actor_config(), params)(out, data)
@@ -163,7 +163,7 @@ def test_no_backward_into_the_entropy_without_an_entropy_bonus():
 
     from verl.workers.utils.losses import ppo_loss
 
-    from gtpo.verl_plugin.forking import ForkingPPOLoss
+    from gtpo.verl_plugin.actor_loss import ForkingPPOLoss
 
     args = ([2, 3], [[0.1, 0.9, 0.3], [0.8, 0.2]], [[1.0, 2.0, 3.0], [-4.0, 5.0]])
     loss, metrics, grad, ent_grad = _loss(forking_params(rho=0.4), *args)
@@ -185,7 +185,9 @@ def test_no_backward_into_the_entropy_without_an_entropy_bonus():
 
 
 def test_errors_for_missing_entropy_and_wrong_agg_mode():
-    from gtpo.verl_plugin.forking import ForkingParams, ForkingPPOLoss, load_params
+    from gtpo.algorithms.token_selection import ForkingParams
+    from gtpo.methods import knob
+    from gtpo.verl_plugin.actor_loss import ForkingPPOLoss
 
     with pytest.raises(ValueError, match="token-mean"):
         ForkingPPOLoss(actor_config("seq-mean-token-mean"), forking_params())
@@ -194,10 +196,10 @@ def test_errors_for_missing_entropy_and_wrong_agg_mode():
     with pytest.raises(ValueError, match="calculate_entropy"):
         ForkingPPOLoss(actor_config(), forking_params())(out, data)
     with pytest.raises(ValueError, match=r"algorithm\.forking\.scope"):
-        load_params({"forking": {"scope": "global"}})
+        knob({"forking": {"scope": "global"}}, "forking")
     with pytest.raises(ValueError, match=r"algorithm\.forking\.rho"):
-        load_params({"forking": {"rho": 0}})
-    assert load_params({}) == ForkingParams()
+        knob({"forking": {"rho": 0}}, "forking")
+    assert knob({}, "forking") == ForkingParams()
 
 
 class _WorkerGroup:
@@ -210,7 +212,7 @@ class _WorkerGroup:
 
 
 def _install_trainer(forking: dict, loss_mode: str = "vanilla", distillation: bool = False):
-    """A trainer stand-in with what :func:`gtpo.verl_plugin.forking.install` reads: the algorithm and actor config,
+    """A trainer stand-in with what :func:`gtpo.verl_plugin.actor_loss.install` reads: the algorithm and actor config,
     distillation, and the actor worker group."""
     from omegaconf import OmegaConf
 
@@ -230,7 +232,7 @@ def _install_trainer(forking: dict, loss_mode: str = "vanilla", distillation: bo
 
 
 def test_install_sets_loss_only_when_enabled():
-    from gtpo.verl_plugin.forking import ForkingPPOLoss, install
+    from gtpo.verl_plugin.actor_loss import ForkingPPOLoss, install
 
     t = _install_trainer({"enable": False})
     assert install(t) is None and t.actor_rollout_wg.loss is None
@@ -240,12 +242,12 @@ def test_install_sets_loss_only_when_enabled():
 
 @pytest.mark.parametrize(
     "forking, distillation, installed",
-    [(False, False, "GRPOSPPOLoss"), (True, False, "ForkingPPOLoss"), (False, True, None)],
+    [(False, False, "ExtremaPPOLoss"), (True, False, "ForkingPPOLoss"), (False, True, None)],
 )
 def test_install_gives_the_grpo_s_loss_its_extremes(forking, distillation, installed):
     """With the grpo_s policy loss the workers get verl's ppo_loss re-tagging its min / max metrics
     (tests/test_loss_metrics.py); the forking loss does that itself; verl's distillation keeps its own loss."""
-    from gtpo.verl_plugin.forking import install
+    from gtpo.verl_plugin.actor_loss import install
 
     trainer = _install_trainer({"enable": forking}, loss_mode="grpo_s", distillation=distillation)
     install(trainer)

@@ -12,10 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from gtpo.algorithms.entropy_shaping import grpo_s_advantages
-from gtpo.algorithms.grpo_s import grpo_s_sequence_rewards, sequence_entropy
-from gtpo.algorithms.losses import grpo_s_loss_matrix, sequence_ratio
-from gtpo.algorithms.shaping_params import GRPOSParams
+from gtpo.algorithms.grpo_s import (
+    GRPOSParams,
+    grpo_s_advantages,
+    grpo_s_loss_matrix,
+    grpo_s_sequence_rewards,
+    sequence_entropy,
+    sequence_ratio,
+)
 from tests.support.estimators import token_batch
 
 
@@ -446,13 +450,13 @@ def test_loss_matrix_bad_inputs():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# the compiled kernel (gtpo/algorithms/grpo_s_kernel.py) against the definition (grpo_s.grpo_s_reference)
+# the compiled kernel (gtpo/algorithms/kernels.py) against the definition (grpo_s.grpo_s_definition)
 
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("norm_mode", ["joint", "zero_fill"])
 def test_kernel_matches_definition(seed, norm_mode):
-    from gtpo.algorithms.grpo_s import grpo_s_reference
+    from gtpo.algorithms.grpo_s import grpo_s_definition
 
     lengths, rewards, groups = _random_groups(300 + seed, reward_kind="01" if seed % 2 else "pm1")
     ent, mask, r, gid, ng = token_batch(lengths, rewards, groups, seed=seed)
@@ -462,7 +466,7 @@ def test_kernel_matches_definition(seed, norm_mode):
                     norm_mode=norm_mode)  # fmt: skip
     offset = -0.5 * torch.rand(len(r), generator=torch.Generator().manual_seed(seed)) if seed % 3 else None
     adv, diag = grpo_s_advantages(ent, mask, r, gid, ng, p, reward_offset=offset)
-    ref, ref_diag = grpo_s_reference(ent, mask, r, gid, ng, p, reward_offset=offset)
+    ref, ref_diag = grpo_s_definition(ent, mask, r, gid, ng, p, reward_offset=offset)
     torch.testing.assert_close(adv, ref, rtol=1e-6, atol=1e-6)
     assert set(diag) - {"kernel_compile_s"} == set(ref_diag)
     for key, value in ref_diag.items():
@@ -485,7 +489,7 @@ def test_slightly_negative_entropy_counts_as_zero_in_the_sequence_entropy():
 def test_kernel_refuses_a_half_and_clamps_a_slightly_negative_entropy(holes, correct):
     """On a valid token of a dense (or holed) row: a mask value 0.5 is refused as the definition refuses it, and an
     entropy within neg_entropy_tol below 0 enters Hbar as 0 exactly as in the definition."""
-    from gtpo.algorithms.grpo_s import grpo_s_reference
+    from gtpo.algorithms.grpo_s import grpo_s_definition
 
     lengths, rewards, groups = _random_groups(41, reward_kind="pm1")
     ent, mask, r, gid, ng = token_batch(lengths, rewards, groups, seed=41)
@@ -503,7 +507,7 @@ def test_kernel_refuses_a_half_and_clamps_a_slightly_negative_entropy(holes, cor
         bad = ent.clone()
         bad[row, col] = value
         adv, diag = grpo_s_advantages(bad, mask, r, gid, ng)
-        ref, ref_diag = grpo_s_reference(bad, mask, r, gid, ng)
+        ref, ref_diag = grpo_s_definition(bad, mask, r, gid, ng)
         torch.testing.assert_close(adv, ref, rtol=1e-6, atol=1e-6)
         for key, ref_value in ref_diag.items():
             assert diag[key] == pytest.approx(ref_value, rel=1e-9, abs=1e-12), key
@@ -511,11 +515,11 @@ def test_kernel_refuses_a_half_and_clamps_a_slightly_negative_entropy(holes, cor
 
 def test_kernel_falls_back_to_the_definition(monkeypatch):
     from gtpo.algorithms import kernel_dispatch
-    from gtpo.algorithms.grpo_s import grpo_s_reference
+    from gtpo.algorithms.grpo_s import grpo_s_definition
 
-    monkeypatch.setattr(kernel_dispatch, "_OFF", {"grpo_s_kernel"})
+    monkeypatch.setattr(kernel_dispatch, "_OFF", {"grpo_s"})
     lengths, rewards, groups = _random_groups(9)
     ent, mask, r, gid, ng = token_batch(lengths, rewards, groups)
     adv, _ = grpo_s_advantages(ent, mask, r, gid, ng)
-    ref, _ = grpo_s_reference(ent, mask, r, gid, ng)
+    ref, _ = grpo_s_definition(ent, mask, r, gid, ng)
     assert torch.equal(adv, ref)

@@ -1,4 +1,4 @@
-"""GTPO-token's compiled kernel (gtpo/algorithms/gtpo_token_kernel.py) against its definition (gtpo_token.py).
+"""GTPO-token's compiled kernel (gtpo/algorithms/kernels.py) against its definition (gtpo_token.py).
 
     .venv/bin/python -m pytest -q tests/test_gtpo_kernel.py
 
@@ -17,10 +17,8 @@ import warnings
 import pytest
 import torch
 
-from gtpo.algorithms import kernel_dispatch, kernel_support
-from gtpo.algorithms.entropy_shaping import gtpo_token_advantages
-from gtpo.algorithms.gtpo_token import gtpo_shaped_rewards, gtpo_token_reference
-from gtpo.algorithms.shaping_params import GTPOParams
+from gtpo.algorithms import kernel_dispatch, kernels
+from gtpo.algorithms.gtpo_token import GTPOParams, gtpo_shaped_rewards, gtpo_token_advantages, gtpo_token_definition
 from tests.conftest import REPO_ROOT
 from tests.support.estimators import assert_same, random_batch
 
@@ -38,7 +36,7 @@ def test_kernel_matches_definition(norm_mode, norm_scope, weight_scope, conflict
     )  # fmt: skip
     offset = offset if seed != 1 else None
     kernel = gtpo_token_advantages(entropy, mask, rewards, gid, groups, params, offset, responses)
-    definition = gtpo_token_reference(entropy, mask, rewards, gid, groups, params, offset, responses)
+    definition = gtpo_token_definition(entropy, mask, rewards, gid, groups, params, offset, responses)
     assert_same(kernel, definition)
     assert torch.count_nonzero(kernel[0] * (1 - mask)) == 0
 
@@ -50,7 +48,7 @@ def test_base_term_carries_alpha1_with_varying_offsets():
     for alpha1 in (0.5, 2.0):
         params = GTPOParams(alpha1=alpha1, alpha2=0.3)
         adv, diag = gtpo_token_advantages(entropy, mask, rewards, gid, groups, params, offset)
-        ref, ref_diag = gtpo_token_reference(entropy, mask, rewards, gid, groups, params, offset)
+        ref, ref_diag = gtpo_token_definition(entropy, mask, rewards, gid, groups, params, offset)
         torch.testing.assert_close(adv, ref, rtol=1e-5, atol=1e-6)
         assert diag["shaped_correct_mean"] == pytest.approx(ref_diag["shaped_correct_mean"], rel=1e-9)
     # and the offsets matter: the same batch without them gives other advantages
@@ -70,7 +68,7 @@ def test_every_mask_and_entropy_dtype(mask_dtype, entropy_dtype):
     entropy = entropy.to(entropy_dtype)
     params = GTPOParams(conflict_mask=True)
     kernel = gtpo_token_advantages(entropy, mask.to(mask_dtype), rewards, gid, groups, params, offset, responses)
-    definition = gtpo_token_reference(entropy, mask, rewards, gid, groups, params, offset, responses)
+    definition = gtpo_token_definition(entropy, mask, rewards, gid, groups, params, offset, responses)
     assert_same(kernel, definition)
 
 
@@ -82,7 +80,7 @@ def test_two_threads_equal_one(monkeypatch, weight_scope, norm_scope):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     one = gtpo_token_advantages(entropy, mask, rewards, gid, groups, params, offset, responses)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert kernel_support.num_threads(len(rewards)) == 2
+    assert kernels.num_threads(len(rewards)) == 2
     two = gtpo_token_advantages(entropy, mask, rewards, gid, groups, params, offset, responses)
     assert_same(two, one)
 
@@ -97,7 +95,7 @@ def test_large_output_is_zero_on_padding():
     entropy = torch.where(mask.bool(), torch.rand(rows, length, generator=gen), float("nan"))
     rewards = torch.where(torch.rand(rows, generator=gen) < 0.4, 1.0, 0.0)
     gid = torch.arange(rows) % 75
-    kernel_support._OUTPUTS.clear()
+    kernels._OUTPUTS.clear()
     full, _ = gtpo_token_advantages(torch.rand(rows, length, generator=gen) + 0.1, torch.ones(rows, length), rewards,
                                     gid, 75)  # fmt: skip
     assert torch.count_nonzero(full) == full.numel()
@@ -105,7 +103,7 @@ def test_large_output_is_zero_on_padding():
     del full
     adv, diag = gtpo_token_advantages(entropy, mask, rewards, gid, 75)
     assert adv.data_ptr() == address
-    ref, ref_diag = gtpo_token_reference(entropy, mask, rewards, gid, 75)
+    ref, ref_diag = gtpo_token_definition(entropy, mask, rewards, gid, 75)
     torch.testing.assert_close(adv, ref, rtol=1e-5, atol=1e-6)
     assert torch.count_nonzero(adv[~mask.bool()]) == 0
     assert diag["frac_tokens_adv_pos"] == pytest.approx(ref_diag["frac_tokens_adv_pos"], abs=1e-6)
@@ -128,7 +126,7 @@ def test_joint_zero_variance_rule_uses_the_whole_set():
     assert whole < rtol < minority
     p = GTPOParams(norm_mode="joint", zero_var_rtol=rtol)
     adv, _ = gtpo_token_advantages(entropy, mask, rewards, gid, groups, p)
-    ref, _ = gtpo_token_reference(entropy, mask, rewards, gid, groups, p)
+    ref, _ = gtpo_token_definition(entropy, mask, rewards, gid, groups, p)
     assert torch.count_nonzero(adv) == 0 and torch.count_nonzero(ref) == 0
     below, _ = gtpo_token_advantages(
         entropy, mask, rewards, gid, groups, GTPOParams(norm_mode="joint", zero_var_rtol=whole / 2)
@@ -138,14 +136,14 @@ def test_joint_zero_variance_rule_uses_the_whole_set():
 
 def _fresh_kernel_state(monkeypatch):
     monkeypatch.setattr(kernel_dispatch, "_OFF", set())
-    monkeypatch.setattr(kernel_support, "_WARNED", set())
+    monkeypatch.setattr(kernels, "_WARNED", set(), raising=False)
 
 
 class _NoNumba(importlib.abc.MetaPathFinder):
     """Finds every kernel module as a module whose ``import numba`` fails."""
 
     def find_spec(self, name, path=None, target=None):
-        if name.startswith("gtpo.algorithms.") and name.endswith("_kernel"):
+        if name == "gtpo.algorithms.kernels":
             raise ModuleNotFoundError("No module named 'numba'", name="numba")
         return None
 
@@ -154,18 +152,18 @@ def test_falls_back_to_the_definition_when_numba_is_missing(monkeypatch):
     _fresh_kernel_state(monkeypatch)
     import gtpo.algorithms
 
-    for name in [m for m in sys.modules if m.startswith("gtpo.algorithms.") and m.endswith("_kernel")]:
+    for name in [m for m in sys.modules if m == "gtpo.algorithms.kernels"]:
         monkeypatch.delitem(sys.modules, name)  # imported afresh, through the finder below
         monkeypatch.delattr(gtpo.algorithms, name.rsplit(".", 1)[1], raising=False)
     monkeypatch.setattr(sys, "meta_path", [_NoNumba(), *sys.meta_path])
     entropy, mask, rewards, gid, groups, responses, offset = random_batch(0)
-    with pytest.warns(RuntimeWarning, match="gtpo_token_kernel: compiled kernel unavailable.*numba"):
+    with pytest.warns(RuntimeWarning, match="gtpo_token: compiled kernel unavailable.*numba"):
         adv, diag = gtpo_token_advantages(entropy, mask, rewards, gid, groups, None, offset)
-    assert not kernel_dispatch.kernel_on("gtpo_token_kernel")
+    assert not kernel_dispatch.kernel_on("gtpo_token")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process
         again, _ = gtpo_token_advantages(entropy, mask, rewards, gid, groups, None, offset)
-    ref, _ = gtpo_token_reference(entropy, mask, rewards, gid, groups, None, offset)
+    ref, _ = gtpo_token_definition(entropy, mask, rewards, gid, groups, None, offset)
     assert torch.equal(adv, ref) and torch.equal(again, ref)
     assert "kernel_compile_s" not in diag
     bad = entropy.clone()
@@ -178,34 +176,32 @@ def test_falls_back_to_the_definition_when_the_kernel_fails_to_compile(monkeypat
     _fresh_kernel_state(monkeypatch)
     from numba.core.errors import NumbaError
 
-    from gtpo.algorithms import gtpo_token_kernel
 
     def broken(*args, **kwargs):
         raise NumbaError("no LLVM target")
 
-    monkeypatch.setattr(gtpo_token_kernel, "gtpo_token_kernel", broken)
+    monkeypatch.setattr(kernels, "gtpo_token_kernel", broken)
     entropy, mask, rewards, gid, groups, _, offset = random_batch(1)
-    with pytest.warns(RuntimeWarning, match="gtpo_token_kernel: compiled kernel failed"):
+    with pytest.warns(RuntimeWarning, match="gtpo_token: compiled kernel failed"):
         adv, _ = gtpo_token_advantages(entropy, mask, rewards, gid, groups, None, offset)
-    ref, _ = gtpo_token_reference(entropy, mask, rewards, gid, groups, None, offset)
+    ref, _ = gtpo_token_definition(entropy, mask, rewards, gid, groups, None, offset)
     assert torch.equal(adv, ref)
-    assert not kernel_dispatch.kernel_on("gtpo_token_kernel")  # off for the rest of the process
-    assert kernel_dispatch.kernel_on("grpo_s_kernel")
+    assert not kernel_dispatch.kernel_on("gtpo_token")  # off for the rest of the process
+    assert kernel_dispatch.kernel_on("grpo_s")
 
 
 def test_an_error_of_the_kernel_other_than_numba_s_is_raised(monkeypatch):
     """Only numba's own errors switch a kernel off: a bug in the kernel's Python side is not hidden."""
     _fresh_kernel_state(monkeypatch)
-    from gtpo.algorithms import gtpo_token_kernel
 
     def buggy(*args, **kwargs):
         raise IndexError("index 7 is out of bounds")
 
-    monkeypatch.setattr(gtpo_token_kernel, "gtpo_token_kernel", buggy)
+    monkeypatch.setattr(kernels, "gtpo_token_kernel", buggy)
     entropy, mask, rewards, gid, groups, _, offset = random_batch(1)
     with pytest.raises(IndexError, match="out of bounds"):
         gtpo_token_advantages(entropy, mask, rewards, gid, groups, None, offset)
-    assert kernel_dispatch.kernel_on("gtpo_token_kernel")
+    assert kernel_dispatch.kernel_on("gtpo_token")
 
 
 def test_bad_values_raise_the_definitions_messages():
@@ -262,7 +258,7 @@ def test_a_slightly_negative_entropy_is_clamped(monkeypatch, weight_scope, norm_
         kernel = gtpo_token_advantages(bad, mask, rewards, gid, groups, params)
         zero = entropy.clone()
         zero[row, col] = 0.0
-        assert_same(kernel, gtpo_token_reference(bad, mask, rewards, gid, groups, params))
+        assert_same(kernel, gtpo_token_definition(bad, mask, rewards, gid, groups, params))
         # the same advantages as an exact 0 (only the raw entropy means differ)
         torch.testing.assert_close(kernel[0], gtpo_token_advantages(zero, mask, rewards, gid, groups, params)[0])
 
@@ -280,7 +276,7 @@ def test_cuda_tensors_take_the_definition():
 
 COMPILE_PROBE = """
 import json, torch
-from gtpo.algorithms.entropy_shaping import gtpo_token_advantages
+from gtpo.algorithms.gtpo_token import gtpo_token_advantages
 e = torch.rand(6, 5); m = torch.ones(6, 5); r = torch.tensor([1., -1., 1., -1., 1., 1.]); g = torch.arange(6) % 2
 first = gtpo_token_advantages(e, m, r, g, 2)[1]
 second = gtpo_token_advantages(e, m, r, g, 2)[1]

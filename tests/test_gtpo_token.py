@@ -13,9 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from gtpo.algorithms.entropy_shaping import gtpo_token_advantages
-from gtpo.algorithms.gtpo_token import active_counts, entropy_shares, gtpo_shaped_rewards
-from gtpo.algorithms.shaping_params import GTPOParams
+from gtpo.algorithms.gtpo_token import (
+    GTPOParams,
+    active_counts,
+    entropy_shares,
+    gtpo_shaped_rewards,
+    gtpo_token_advantages,
+)
 from tests.support.estimators import gtpo_loop_reference, random_token_batch, token_batch
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -600,10 +604,8 @@ def test_params_frozen():
 
 
 def _conflict_weights():
-    try:
-        from gtpo.algorithms.trajectory import conflict_weights
-    except ImportError as err:  # pragma: no cover - depends on the sibling module being present
-        pytest.skip(f"gtpo.algorithms.trajectory.conflict_weights not importable yet: {err}")
+    from gtpo.algorithms.conflict_tokens import conflict_weights
+
     return conflict_weights
 
 

@@ -10,10 +10,8 @@ import math
 import pytest
 import torch
 
-from gtpo.algorithms.entropy_shaping import gtpo_token_advantages
-from gtpo.algorithms.gtpo_token import gtpo_shaped_rewards, gtpo_token_reference
-from gtpo.algorithms.shaping_params import GTPOParams
-from gtpo.algorithms.trajectory import conflict_weights
+from gtpo.algorithms.conflict_tokens import conflict_weights
+from gtpo.algorithms.gtpo_token import GTPOParams, gtpo_shaped_rewards, gtpo_token_advantages, gtpo_token_definition
 from tests.support.estimators import gtpo_loop_reference, random_token_batch, token_batch
 
 
@@ -137,7 +135,7 @@ def test_diagnostics_in_every_mode(norm_mode, norm_scope, weight_scope):
     ent, mask, r, gid, ng = random_token_batch(21)
     p = GTPOParams(norm_mode=norm_mode, norm_scope=norm_scope, weight_scope=weight_scope)
     adv, diag = gtpo_token_advantages(ent, mask, r, gid, ng, p)
-    _, ref_diag = gtpo_token_reference(ent, mask, r, gid, ng, p)
+    _, ref_diag = gtpo_token_definition(ent, mask, r, gid, ng, p)
     assert set(diag) == set(ref_diag)
     assert all(isinstance(v, float) and math.isfinite(v) for v in diag.values())
     assert abs(diag["weight_pos_mean"] - 1.0) < 1e-5 and abs(diag["weight_neg_mean"] - 1.0) < 1e-5
@@ -161,7 +159,7 @@ def test_kernel_large_zero_var_rtol_and_negative_correct_base(norm_mode, norm_sc
     offset = torch.where(torch.rand(len(r), generator=gen) < 0.7, -1.0, 0.0)  # correct base 0.3 - 1 < 0
     p = GTPOParams(norm_mode=norm_mode, norm_scope=norm_scope, alpha2=1.0, zero_var_rtol=0.1 + 0.075 * seed)
     fast, _ = gtpo_token_advantages(ent, mask, r, gid, ng, p, reward_offset=offset)
-    ref, _ = gtpo_token_reference(ent, mask, r, gid, ng, p, reward_offset=offset)
+    ref, _ = gtpo_token_definition(ent, mask, r, gid, ng, p, reward_offset=offset)
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
 
 
@@ -185,7 +183,7 @@ def test_constant_set_decision_uses_token_level_abs_for_mixed_sign_rows(scope):
     assert std / abs_tok < rtol < std / abs_row < 1
     p = GTPOParams(norm_mode="split", alpha2=0.3, zero_var_rtol=rtol, norm_scope=scope, weight_scope=scope)
     fast, _ = gtpo_token_advantages(ent, mask, r, gid, ng, p, reward_offset=offset)
-    ref, _ = gtpo_token_reference(ent, mask, r, gid, ng, p, reward_offset=offset)
+    ref, _ = gtpo_token_definition(ent, mask, r, gid, ng, p, reward_offset=offset)
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
     assert torch.count_nonzero(fast[sel]) == 0
 
@@ -200,6 +198,6 @@ def test_near_constant_set_is_measured_not_cancelled(scope):
     adv, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(**kw))
     assert torch.count_nonzero(adv) == 0
     raw, _ = gtpo_token_advantages(ent, mask, r, gid, ng, GTPOParams(zero_var_rtol=0.0, **kw))
-    ref, _ = gtpo_token_reference(ent, mask, r, gid, ng, GTPOParams(zero_var_rtol=0.0, **kw))
+    ref, _ = gtpo_token_definition(ent, mask, r, gid, ng, GTPOParams(zero_var_rtol=0.0, **kw))
     assert raw.abs().max() > 0.1  # rounding-sized spreads turned into sizeable advantages without the tolerance
     torch.testing.assert_close(raw, ref, atol=2e-2, rtol=0)

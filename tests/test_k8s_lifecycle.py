@@ -59,7 +59,7 @@ from pathlib import Path
 
 import ray
 
-from gtpo.trainer.preemption import PreemptionParams
+from gtpo.knobs import PreemptionParams
 from gtpo.trainer.preemption_hooks import TrainerStop
 
 out = Path(sys.argv[-1])

@@ -1,4 +1,4 @@
-"""Where the kernels' numba cache lives: never in a folder someone else could write (``kernel_support``).
+"""Where the kernels' numba cache lives: never in a folder someone else could write (``kernels``).
 
     .venv/bin/python -m pytest -q tests/test_kernel_cache.py
 
@@ -14,8 +14,8 @@ import stat
 
 import pytest
 
-from gtpo.algorithms import kernel_support
-from gtpo.algorithms.kernel_support import cache_dir_for
+from gtpo.algorithms import kernels
+from gtpo.algorithms.kernels import cache_dir_for
 
 NOBODY = 65534
 
@@ -34,7 +34,7 @@ def mode_and_owner(folder) -> tuple[int, int]:
 
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(kernel_support, "_WARNED", set())
+    monkeypatch.setattr(kernels, "_WARNED", set(), raising=False)
 
 
 def test_a_private_folder_numba_would_pick_is_left_to_numba(tmp_path):
@@ -91,15 +91,15 @@ def test_the_process_is_pointed_at_the_private_folder_and_an_explicit_one_wins(t
     monkeypatch.setattr(numba.config, "CACHE_DIR", numba.config.CACHE_DIR)
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)  # restored (unset) afterwards, whatever is set below
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    monkeypatch.setattr(kernel_support, "__file__", str(tmp_path / "pkg" / "kernel_support.py"))
+    monkeypatch.setattr(kernels, "__file__", str(tmp_path / "pkg" / "kernels.py"))
     plant(tmp_path / "pkg" / "__pycache__")  # the package folder's cache, writable by everyone
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
-    kernel_support._ensure_cache_dir()
+    kernels._ensure_cache_dir()
     expected = str(tmp_path / f"gtpo-numba-cache-{os.getuid()}")
     assert os.environ["NUMBA_CACHE_DIR"] == numba.config.CACHE_DIR == expected
     assert mode_and_owner(expected) == (0o700, os.getuid())
     # the user's own choice is kept as it is, even a folder others could write
     theirs = str(plant(tmp_path / "chosen"))
     monkeypatch.setenv("NUMBA_CACHE_DIR", theirs)
-    kernel_support._ensure_cache_dir()
+    kernels._ensure_cache_dir()
     assert os.environ["NUMBA_CACHE_DIR"] == theirs

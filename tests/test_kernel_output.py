@@ -1,4 +1,4 @@
-"""The kernels' outputs (gtpo/algorithms/kernel_support.py, ``kernel_output``): every element written, memory recycled.
+"""The kernels' outputs (gtpo/algorithms/kernels.py, ``kernel_output``): every element written, memory recycled.
 
     .venv/bin/python -m pytest -q tests/test_kernel_output.py
 
@@ -16,13 +16,10 @@ import math
 import pytest
 import torch
 
-from gtpo.algorithms import grpo_s_kernel, gtpo_token_kernel, kernel_support, trajectory_kernel
-from gtpo.algorithms.entropy_shaping import grpo_s_advantages, gtpo_token_advantages
-from gtpo.algorithms.grpo_s import grpo_s_reference
-from gtpo.algorithms.gtpo_token import gtpo_token_reference
-from gtpo.algorithms.shaping_params import GRPOSParams, GTPOParams
-from gtpo.algorithms.trajectory import centred_advantages, gtpo_traj_advantages, gtpo_traj_reference
-from gtpo.algorithms.trajectory_params import GTPOTrajParams
+from gtpo.algorithms import kernels
+from gtpo.algorithms.grpo_s import GRPOSParams, grpo_s_advantages, grpo_s_definition
+from gtpo.algorithms.gtpo_token import GTPOParams, gtpo_token_advantages, gtpo_token_definition
+from gtpo.algorithms.gtpo_traj import GTPOTrajParams, centred_advantages, gtpo_traj_definition, trajectory
 from tests.support.estimators import assert_same, random_batch, random_traj_batch
 
 
@@ -36,16 +33,15 @@ def nan_outputs(monkeypatch):
         handed.append(out)
         return out
 
-    for module in (gtpo_token_kernel, grpo_s_kernel, trajectory_kernel):
-        monkeypatch.setattr(module, "kernel_output", garbage)
+    monkeypatch.setattr(kernels, "kernel_output", garbage)
     return handed
 
 
 @pytest.fixture
 def empty_pool():
-    kernel_support._OUTPUTS.clear()
-    yield kernel_support._OUTPUTS
-    kernel_support._OUTPUTS.clear()
+    kernels._OUTPUTS.clear()
+    yield kernels._OUTPUTS
+    kernels._OUTPUTS.clear()
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -68,7 +64,7 @@ def test_gtpo_writes_every_element(nan_outputs, monkeypatch, knobs, threads):
     params = GTPOParams(**knobs)
     got = gtpo_token_advantages(entropy, mask, rewards, gid, groups, params, offset, responses)
     assert len(nan_outputs) == 1 and got[0].data_ptr() == nan_outputs[0].data_ptr()  # the kernel wrote it
-    assert_same(got, gtpo_token_reference(entropy, mask, rewards, gid, groups, params, offset, responses))
+    assert_same(got, gtpo_token_definition(entropy, mask, rewards, gid, groups, params, offset, responses))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -78,7 +74,7 @@ def test_grpo_s_writes_every_element(nan_outputs, monkeypatch, norm_mode, thread
     entropy, mask, rewards, gid, groups, _, offset = random_batch(6, groups=40, length=29, holes=True)
     params = GRPOSParams(norm_mode=norm_mode)
     adv, _ = grpo_s_advantages(entropy, mask, rewards, gid, groups, params, reward_offset=offset)
-    ref, _ = grpo_s_reference(entropy, mask, rewards, gid, groups, params, reward_offset=offset)
+    ref, _ = grpo_s_definition(entropy, mask, rewards, gid, groups, params, reward_offset=offset)
     assert len(nan_outputs) == 1
     torch.testing.assert_close(adv, ref, rtol=1e-6, atol=1e-6)
 
@@ -87,9 +83,9 @@ def test_grpo_s_writes_every_element(nan_outputs, monkeypatch, norm_mode, thread
 def test_gtpo_traj_writes_every_element(nan_outputs, seed):
     scores, mask, ids, ent, gid, ng = random_traj_batch(seed)
     params = GTPOTrajParams(tau=0.6 if seed % 2 else math.inf, lam_neg=0.5)
-    out = gtpo_traj_advantages(scores, mask, ids, ent, gid, ng, params, 0.5)
+    out = trajectory(scores, mask, ids, ent, gid, ng, params, 0.5)
     adv, pol, zv = centred_advantages(scores, gid, ng, params.adv_norm, params.eps)
-    ref = gtpo_traj_reference(mask, ids, ent, gid, ng, params, adv, pol, zv, 0.5)
+    ref = gtpo_traj_definition(mask, ids, ent, gid, ng, params, adv, pol, zv, 0.5)
     assert len(nan_outputs) == 1
     torch.testing.assert_close(out.advantages, ref.advantages, rtol=1e-6, atol=1e-7)
 
@@ -108,14 +104,14 @@ def _large_grpo_s_batch(seed, rows=1024, length=2048):
 def test_a_freed_output_is_recycled_and_fully_rewritten(empty_pool):
     first = _large_grpo_s_batch(0)
     adv, _ = grpo_s_advantages(*first)
-    assert adv.numel() * 4 >= kernel_support._HUGE_OUTPUT_BYTES
+    assert adv.numel() * 4 >= kernels._HUGE_OUTPUT_BYTES
     address = adv.data_ptr()
     del adv
     assert len(empty_pool._free) == 1
     second = _large_grpo_s_batch(1)  # other lengths: the first output's values sit on the second's padding
     adv, _ = grpo_s_advantages(*second)
     assert adv.data_ptr() == address
-    torch.testing.assert_close(adv, grpo_s_reference(*second)[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(adv, grpo_s_definition(*second)[0], rtol=1e-6, atol=1e-6)
     assert torch.count_nonzero(adv[second[1] == 0]) == 0
 
 
@@ -137,53 +133,53 @@ def test_an_output_in_use_is_never_handed_out_again(empty_pool):
 
 
 def test_the_pool_keeps_at_most_two_buffers_and_drops_other_sizes(empty_pool):
-    outputs = [kernel_support.kernel_output(1024, 2048) for _ in range(4)]
+    outputs = [kernels.kernel_output(1024, 2048) for _ in range(4)]
     assert len({o.data_ptr() for o in outputs}) == 4
     del outputs
     assert len(empty_pool._free) == empty_pool.keep == 2
-    other = kernel_support.kernel_output(1024, 4096)  # another size: the free buffers are dropped, a new mapping made
+    other = kernels.kernel_output(1024, 4096)  # another size: the free buffers are dropped, a new mapping made
     assert other.shape == (1024, 4096) and len(empty_pool._free) == 0
-    small = kernel_support.kernel_output(3, 5)  # under 8 MB: numpy's allocation, never pooled
+    small = kernels.kernel_output(3, 5)  # under 8 MB: numpy's allocation, never pooled
     del small
     assert len(empty_pool._free) == 0
 
 
 def test_a_freed_output_of_another_size_is_never_handed_out(empty_pool):
-    big = kernel_support.kernel_output(1024, 4096)
+    big = kernels.kernel_output(1024, 4096)
     del big
     assert [len(b) for b in empty_pool._free] == [1024 * 4096 * 4]
-    smaller = kernel_support.kernel_output(1024, 2048)  # the larger free buffer is dropped, not reused
+    smaller = kernels.kernel_output(1024, 2048)  # the larger free buffer is dropped, not reused
     assert smaller.shape == (1024, 2048) and smaller.dtype == torch.float32 and smaller.is_contiguous()
     assert smaller.untyped_storage().nbytes() == 1024 * 2048 * 4 and len(empty_pool._free) == 0
     del smaller
     assert [len(b) for b in empty_pool._free] == [1024 * 2048 * 4]
-    larger = kernel_support.kernel_output(2048, 2048)
+    larger = kernels.kernel_output(2048, 2048)
     assert larger.shape == (2048, 2048) and larger.untyped_storage().nbytes() == 2048 * 2048 * 4
     larger.fill_(1.0)  # every byte of it is writable memory of its own
     assert len(empty_pool._free) == 0
 
 
 def test_a_size_change_drops_the_free_buffers_of_the_old_size(empty_pool):
-    old, new = kernel_support.kernel_output(1024, 2048), kernel_support.kernel_output(1024, 4096)
+    old, new = kernels.kernel_output(1024, 2048), kernels.kernel_output(1024, 4096)
     address = new.data_ptr()
     del old, new  # freed in this order
-    again = kernel_support.kernel_output(1024, 4096)
+    again = kernels.kernel_output(1024, 4096)
     assert again.data_ptr() == address and len(empty_pool._free) == 0  # the old size's buffer is not kept
 
 
 def test_an_output_of_the_same_size_gets_the_freed_memory(empty_pool):
-    first = kernel_support.kernel_output(1024, 2048)
+    first = kernels.kernel_output(1024, 2048)
     first[-1, -1] = 7.0
     address = first.data_ptr()
     del first
-    again = kernel_support.kernel_output(2048, 1024)  # same bytes, other shape: the memory is recycled
+    again = kernels.kernel_output(2048, 1024)  # same bytes, other shape: the memory is recycled
     assert again.data_ptr() == address and again.shape == (2048, 1024) and len(empty_pool._free) == 0
     assert again[-1, -1] == 7.0  # not zeroed: the last output's values
 
 
 @pytest.mark.parametrize("hold", ["numpy", "detach", "untyped_storage", "row"])
 def test_memory_held_another_way_is_never_handed_out(empty_pool, hold):
-    out = kernel_support.kernel_output(1024, 2048)
+    out = kernels.kernel_output(1024, 2048)
     out.fill_(3.0)
     address = out.data_ptr()
     held = {
@@ -194,14 +190,14 @@ def test_memory_held_another_way_is_never_handed_out(empty_pool, hold):
     }[hold](out)
     del out
     assert len(empty_pool._free) == 0
-    other = kernel_support.kernel_output(1024, 2048)
+    other = kernels.kernel_output(1024, 2048)
     assert other.data_ptr() != address
     other.fill_(-1.0)
     seen = torch.empty(0).set_(held) if hold == "untyped_storage" else torch.as_tensor(held)
     assert seen.numel() in (2048, 1024 * 2048) and bool((seen == 3.0).all())  # the other output wrote elsewhere
     del held, seen
     assert len(empty_pool._free) == 1
-    assert kernel_support.kernel_output(1024, 2048).data_ptr() == address
+    assert kernels.kernel_output(1024, 2048).data_ptr() == address
 
 
 @pytest.mark.parametrize(
@@ -215,8 +211,8 @@ def test_memory_held_another_way_is_never_handed_out(empty_pool, hold):
     ],
 )
 def test_outputs_from_8_mib_are_pooled_and_smaller_ones_are_not(empty_pool, rows, cols, pooled):
-    assert kernel_support._HUGE_OUTPUT_BYTES == 8 << 20
-    out = kernel_support.kernel_output(rows, cols)
+    assert kernels._HUGE_OUTPUT_BYTES == 8 << 20
+    out = kernels.kernel_output(rows, cols)
     assert out.shape == (rows, cols) and out.dtype == torch.float32 and out.is_contiguous()
     del out
     assert len(empty_pool._free) == int(pooled)

@@ -37,20 +37,19 @@ def _batch(rows=512, length=300, seed=0):
 
 def _run_all(entropy, mask, rewards, gid, ng, responses):
     """The three estimators through their kernels; returns the advantages and the thread counts used."""
-    from gtpo.algorithms import kernel_dispatch, kernel_support
-    from gtpo.algorithms.entropy_shaping import grpo_s_advantages, gtpo_token_advantages
-    from gtpo.algorithms.shaping_params import GTPOParams
-    from gtpo.algorithms.trajectory import gtpo_traj_advantages
-    from gtpo.algorithms.trajectory_params import GTPOTrajParams
+    from gtpo.algorithms import kernel_dispatch, kernels
+    from gtpo.algorithms.grpo_s import grpo_s_advantages
+    from gtpo.algorithms.gtpo_token import GTPOParams, gtpo_token_advantages
+    from gtpo.algorithms.gtpo_traj import GTPOTrajParams, trajectory
 
     gtpo, _ = gtpo_token_advantages(entropy, mask, rewards, gid, ng, GTPOParams(conflict_mask=True), None, responses)
     grpo_s, _ = grpo_s_advantages(entropy, mask, rewards, gid, ng)
-    traj = gtpo_traj_advantages(rewards, mask, responses, entropy, gid, ng, GTPOTrajParams(h_ini=0.3)).advantages
-    assert kernel_dispatch.kernel_on("gtpo_token_kernel")  # the kernels ran, not the definitions
+    traj = trajectory(rewards, mask, responses, entropy, gid, ng, GTPOTrajParams(h_ini=0.3)).advantages
+    assert kernel_dispatch.kernel_on("gtpo_token")  # the kernels ran, not the definitions
     return {
         "adv": (gtpo, grpo_s, traj),
         "torch_threads": torch.get_num_threads(),
-        "kernel_threads": kernel_support.num_threads(len(rewards)),
+        "kernel_threads": kernels.num_threads(len(rewards)),
         "omp": os.environ.get("OMP_NUM_THREADS"),
     }
 
@@ -89,18 +88,16 @@ def runner_cls(ray_session):
 
 
 def _expected(batch):
-    from gtpo.algorithms.grpo_s import grpo_s_reference
-    from gtpo.algorithms.gtpo_token import gtpo_token_reference
-    from gtpo.algorithms.shaping_params import GTPOParams
-    from gtpo.algorithms.trajectory import centred_advantages, gtpo_traj_reference
-    from gtpo.algorithms.trajectory_params import GTPOTrajParams
+    from gtpo.algorithms.grpo_s import grpo_s_definition
+    from gtpo.algorithms.gtpo_token import GTPOParams, gtpo_token_definition
+    from gtpo.algorithms.gtpo_traj import GTPOTrajParams, centred_advantages, gtpo_traj_definition
 
     entropy, mask, rewards, gid, ng, responses = batch
-    gtpo, _ = gtpo_token_reference(entropy, mask, rewards, gid, ng, GTPOParams(conflict_mask=True), None, responses)
-    grpo_s, _ = grpo_s_reference(entropy, mask, rewards, gid, ng)
+    gtpo, _ = gtpo_token_definition(entropy, mask, rewards, gid, ng, GTPOParams(conflict_mask=True), None, responses)
+    grpo_s, _ = grpo_s_definition(entropy, mask, rewards, gid, ng)
     params = GTPOTrajParams(h_ini=0.3)
     adv, pol, zv = centred_advantages(rewards, gid, ng, params.adv_norm, params.eps)
-    traj = gtpo_traj_reference(mask, responses, entropy, gid, ng, params, adv, pol, zv, 0.3).advantages
+    traj = gtpo_traj_definition(mask, responses, entropy, gid, ng, params, adv, pol, zv, 0.3).advantages
     return gtpo, grpo_s, traj
 
 

@@ -4,7 +4,7 @@ over micro-batches and data-parallel ranks, not as a mean of per-micro-batch ext
     .venv/bin/pytest -q tests/test_loss_metrics.py
 
 Each micro-batch goes through the loss a worker calls (verl's ``ppo_loss`` with the grpo_s policy loss, wrapped by
-the recipe's :class:`GRPOSPPOLoss` or :class:`ForkingPPOLoss`); its metrics then take verl's path: one rank's
+the recipe's :class:`ExtremaPPOLoss` or :class:`ForkingPPOLoss`); its metrics then take verl's path: one rank's
 micro-batches are merged by ``postprocess_batch_func``, the ranks by ``Metric.aggregate_dp`` (the actor worker's
 ``update_actor``), the mini-batches by ``reduce_metrics`` (the driver).
 """
@@ -53,10 +53,10 @@ def _update_actor(ranks: list[dict], key: str) -> float:
 def _grpo_s_loss():
     from verl.workers.utils.losses import ppo_loss
 
-    from gtpo.verl_plugin.loss_metrics import GRPOSPPOLoss
+    from gtpo.verl_plugin.actor_loss import ExtremaPPOLoss
 
     config = actor_config("seq-mean-token-mean", loss_mode="grpo_s")
-    return GRPOSPPOLoss(config), partial(ppo_loss, config=config)
+    return ExtremaPPOLoss(config), partial(ppo_loss, config=config)
 
 
 def test_verl_refuses_a_metric_object_from_a_registered_loss():
@@ -98,7 +98,7 @@ def test_the_recipe_loss_changes_nothing_but_the_aggregation():
 
 
 def test_forking_with_the_grpo_s_loss_keeps_the_extremes_too():
-    from gtpo.verl_plugin.forking import ForkingPPOLoss
+    from gtpo.verl_plugin.actor_loss import ForkingPPOLoss
 
     loss = ForkingPPOLoss(actor_config("token-mean", loss_mode="grpo_s"), forking_params(rho=1.0))
     ranks = [_rank_metrics([_grpo_s_metrics(loss, ratios)]) for ratios in RATIOS]

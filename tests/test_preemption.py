@@ -16,14 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from gtpo.knobs import load_knobs
+from gtpo.knobs import PreemptionParams, load_knobs, parse_deadline
 from gtpo.trainer.preemption import (
     EXIT_CODE,
     DriverRelay,
     PreemptedError,
-    PreemptionParams,
     StopPolicy,
-    parse_deadline,
     resolve_deadline,
 )
 from gtpo.trainer.preemption_hooks import TrainerStop

@@ -139,7 +139,8 @@ def _response_positions():
 
 
 def test_forking_loss_is_layout_independent_under_remove_padding():
-    from gtpo.verl_plugin.forking import ForkingParams, ForkingPPOLoss
+    from gtpo.algorithms.token_selection import ForkingParams
+    from gtpo.verl_plugin.actor_loss import ForkingPPOLoss
 
     fn = ForkingPPOLoss(actor_config("token-mean"), ForkingParams(enable=True, rho=0.3))
     data = _data()

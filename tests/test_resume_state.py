@@ -15,7 +15,6 @@ from omegaconf import OmegaConf
 
 from gtpo.metric_log import read_file_log
 from gtpo.trainer import checkpoint_state, metric_history
-from gtpo.verl_plugin import trajectory as traj_adapter
 
 
 def _tracking(project="proj", experiment="exp", backends=("file",)):
@@ -302,16 +301,26 @@ def _traj_kwargs(entropy: float, global_steps: int) -> dict:
     )
 
 
+
+def _traj_estimator():
+    """gtpo_traj's estimator as verl's trainer calls it."""
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    import gtpo.verl_plugin.register  # noqa: F401  (the recipe's rows in verl's registry)
+
+    return get_adv_estimator_fn("gtpo_traj")
+
+
 def test_restored_h_ini_feeds_the_estimator_on_a_resumed_step(tmp_path):
     """Without the restore, step 5 of a resumed run raises; with it, the gate uses the saved value."""
     kwargs = _traj_kwargs(entropy=2.0, global_steps=5)
     resumed = checkpoint_state.new_state()
     with pytest.raises(ValueError, match="gtpo_state.json"):
-        traj_adapter.compute_gtpo_traj_advantage(**kwargs, state=resumed["gtpo_traj"])
+        _traj_estimator()(**kwargs, state=resumed["gtpo_traj"])
     checkpoint_state.save_state(str(tmp_path / "global_step_4"), 4, {"gtpo_traj": {"h_ini": 0.25}})
     checkpoint_state.restore_state(str(tmp_path / "global_step_4"), kwargs["config"], resumed)
     metrics: dict = {}
-    traj_adapter.compute_gtpo_traj_advantage(**kwargs, metrics=metrics, state=resumed["gtpo_traj"])
+    _traj_estimator()(**kwargs, metrics=metrics, state=resumed["gtpo_traj"])
     assert metrics["gtpo_traj/h_ini"] == 0.25
     assert metrics["gtpo_traj/filter_on"] == 1.0  # 0.25 <= ln 2: filtering on, every completion (H = 2) dropped
     assert metrics["gtpo_traj/filtered_traj_frac"] == 1.0
@@ -324,10 +333,10 @@ def test_two_trainers_in_one_process_keep_their_own_h_ini(tmp_path):
 
     first, second = (GTPOTrainerSync.__new__(GTPOTrainerSync) for _ in range(2))
     assert first.recipe_state is first.recipe_state and first.recipe_state is not second.recipe_state
-    traj_adapter.compute_gtpo_traj_advantage(**_traj_kwargs(0.5, 1), state=first.recipe_state.get("gtpo_traj"))
+    _traj_estimator()(**_traj_kwargs(0.5, 1), state=first.recipe_state.get("gtpo_traj"))
     assert first.recipe_state == {"gtpo_traj": {"h_ini": 0.5}}
     assert second.recipe_state == {"gtpo_traj": {"h_ini": None}}
-    traj_adapter.compute_gtpo_traj_advantage(**_traj_kwargs(1.25, 1), state=second.recipe_state.get("gtpo_traj"))
+    _traj_estimator()(**_traj_kwargs(1.25, 1), state=second.recipe_state.get("gtpo_traj"))
     assert (first.recipe_state["gtpo_traj"]["h_ini"], second.recipe_state["gtpo_traj"]["h_ini"]) == (0.5, 1.25)
     # what each one's checkpoint callback writes is its own value
     for name, trainer in (("a", first), ("b", second)):

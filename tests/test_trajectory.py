@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from gtpo.algorithms.conflict_tokens import conflict_counts, conflict_weights
-from gtpo.algorithms.trajectory import centred_advantages, entropy_filter, gtpo_traj_advantages
-from gtpo.algorithms.trajectory_params import LN2, GTPOTrajParams
+from gtpo.algorithms.conflict_tokens import Runs, conflict_runs, conflict_weights
+from gtpo.algorithms.gtpo_traj import LN2, GTPOTrajParams, centred_advantages, entropy_filter, trajectory
 from tests.support.estimators import random_traj_batch, response_mask
 
 A, B, C, D, X = 11, 12, 13, 14, 15
@@ -77,12 +76,17 @@ def test_inactive_rows_and_one_sided_groups_have_no_conflicts():
 def test_token_in_both_runs_gets_lambda_squared():
     lam, conf = _cw([[A, B], [A, B]], [0, 0], [1, -1])
     assert lam.tolist() == [[4.0, 4.0], [0.0, 0.0]]
-    assert conflict_counts(conf, torch.tensor([1, -1], dtype=torch.int8)).tolist() == [2, 2]
+    ids, m = _rows([[A, B], [A, B]])
+    polarity = torch.tensor([1, -1], dtype=torch.int8)
+    runs = conflict_runs(ids, m, torch.tensor([0, 0]), 1, polarity)
+    assert runs.fwd.tolist() == [2, 2] and runs.bwd.tolist() == [2, 2] and runs.overlap().tolist() == [2, 2]
+    assert runs.n_conf(polarity, "union").tolist() == [2, 2] and runs.n_conf(polarity, "official").tolist() == [2, 2]
 
 
 def test_conflict_counts_clamp_and_inactive():
-    conf = torch.tensor([[False, False], [True, False], [True, True]])
-    assert conflict_counts(conf, torch.tensor([1, -1, 0], dtype=torch.int8)).tolist() == [1, 1, 1]
+    # no conflict -> 1; one of two tokens -> 1; both -> 2 but the row is inactive -> 1
+    runs = Runs(torch.tensor([0, 1, 2]), torch.tensor([0, 0, 2]), torch.tensor([1, 1, 1]))
+    assert runs.n_conf(torch.tensor([1, -1, 0], dtype=torch.int8)).tolist() == [1, 1, 1]
 
 
 def test_bad_inputs_raise():
@@ -219,14 +223,14 @@ def test_params_reject_bad_values(kwargs, match):
 
 
 def test_load_knobs_names_the_key():
-    from gtpo.verl_plugin.trajectory import load_params
+    from gtpo.methods import knob
 
     with pytest.raises(ValueError, match=r"algorithm\.gtpo_traj\.lam_neg=-2"):
-        load_params({"gtpo_traj": {"lam_neg": -2}})
+        knob({"gtpo_traj": {"lam_neg": -2}}, "gtpo_traj")
     with pytest.raises(ValueError, match="unknown"):
-        load_params({"gtpo_traj": {"lambda_pos": 2}})
-    assert load_params({"gtpo_traj": {"variant": "code"}}).agg == "code_sum"
-    assert load_params({}).variant == "paper"
+        knob({"gtpo_traj": {"lambda_pos": 2}}, "gtpo_traj")
+    assert knob({"gtpo_traj": {"variant": "code"}}, "gtpo_traj").agg == "code_sum"
+    assert knob({}, "gtpo_traj").variant == "paper"
 
 
 # ------------------------------------------------------------------------------------------- helpers for verl loss
@@ -293,7 +297,7 @@ def test_reduction_to_on_policy_grpo(adv_norm, by_std):
 
     ids, m, gid, scores = _example_batch()
     ent = torch.rand(m.shape) * 3
-    out = gtpo_traj_advantages(scores, m, ids, ent, gid, 2, _params(adv_norm=adv_norm))
+    out = trajectory(scores, m, ids, ent, gid, 2, _params(adv_norm=adv_norm))
     rewards = torch.zeros(m.shape)
     rewards[torch.arange(len(scores)), m.sum(-1) - 1] = scores
     index = np.array(["u0", "u1", "u0", "u0", "u1", "u1"], dtype=object)
@@ -314,7 +318,7 @@ def test_reduction_to_on_policy_grpo(adv_norm, by_std):
 def test_gradient_zero_on_negative_conflicts_and_lambda_on_positive():
     ids, m, gid, scores = _example_batch()
     ent = torch.zeros(m.shape)
-    out = gtpo_traj_advantages(scores, m, ids, ent, gid, 2, _params(lam_pos=2.0, lam_neg=0.0))
+    out = trajectory(scores, m, ids, ent, gid, 2, _params(lam_pos=2.0, lam_neg=0.0))
     _, grad = _verl_grad(out.advantages, m, "seq-mean-token-mean")
     conf = out.is_conflict
     neg = out.polarity < 0
@@ -336,12 +340,12 @@ def test_gradient_four_times_when_in_both_runs():
     ids, m = _rows([[A, B, C], [A, B, D], [A, X, X], [A, A], [A, A], [C, D, X]])
     gid = torch.tensor([0, 0, 0, 1, 1, 1])
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0])
-    out = gtpo_traj_advantages(scores, m, ids, torch.zeros(m.shape), gid, 2, _params(lam_pos=2.0, lam_neg=0.0))
+    out = trajectory(scores, m, ids, torch.zeros(m.shape), gid, 2, _params(lam_pos=2.0, lam_neg=0.0))
     _, grad = _verl_grad(out.advantages, m, "seq-mean-token-mean")
     # Row 3 "A A" (positive) equals row 4 (negative): every token in both runs -> lambda 4.
     assert out.lam[3, :2].tolist() == [4.0, 4.0]
     # Compare with the same row without conflicts: a copy with lam=1 (lam_pos=1) gives a quarter of the gradient.
-    out1 = gtpo_traj_advantages(scores, m, ids, torch.zeros(m.shape), gid, 2, _params(lam_pos=1.0, lam_neg=0.0))
+    out1 = trajectory(scores, m, ids, torch.zeros(m.shape), gid, 2, _params(lam_pos=1.0, lam_neg=0.0))
     _, grad1 = _verl_grad(out1.advantages, m, "seq-mean-token-mean")
     torch.testing.assert_close(grad[3, :2], 4 * grad1[3, :2])
     assert torch.all(grad[4] == 0)
@@ -350,7 +354,7 @@ def test_gradient_four_times_when_in_both_runs():
 def test_lambda_neg_zeroes_advantage_but_keeps_token_in_denominator():
     """lambda_neg = 0 is applied through the advantages: the token stays in every loss denominator."""
     ids, m, gid, scores = _example_batch()
-    out = gtpo_traj_advantages(scores, m, ids, torch.zeros(m.shape), gid, 2, _params(lam_pos=1.0, lam_neg=0.0))
+    out = trajectory(scores, m, ids, torch.zeros(m.shape), gid, 2, _params(lam_pos=1.0, lam_neg=0.0))
     row = 2  # negative "A B D X": conflicts at A, B, X; D is not a conflict
     assert out.is_conflict[row].tolist() == [True, True, False, True, False]
     for mode, denom in (("seq-mean-token-mean", 4.0 * len(scores)), ("token-mean", float(m.sum()))):
@@ -372,7 +376,7 @@ def test_entropy_filter_threshold_inclusive_and_zero_gradient():
     ent = torch.full(m.shape, 0.5)
     ent[0] = 0.9  # above tau: filtered
     ent[2] = 0.7  # exactly tau: kept
-    out = gtpo_traj_advantages(scores, m, ids, ent, gid, 2, _params(tau=0.7))
+    out = trajectory(scores, m, ids, ent, gid, 2, _params(tau=0.7))
     assert out.delta.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
     assert torch.all(out.advantages[0] == 0)
     _, grad = _verl_grad(out.advantages, m, "seq-mean-token-mean")
@@ -399,8 +403,8 @@ def test_ini_gate_at_exactly_tau_filters():
     ids, m, gid, scores = _example_batch()
     ent = torch.full(m.shape, 0.5)
     ent[0] = 0.9
-    out = gtpo_traj_advantages(scores, m, ids, ent, gid, 2, _params(tau=0.5, use_ini_gate=True, h_ini=0.5))
-    assert out.delta[0] == 0.0 and out.metrics["gtpo_traj/filter_on"] == 1.0
+    out = trajectory(scores, m, ids, ent, gid, 2, _params(tau=0.5, use_ini_gate=True, h_ini=0.5))
+    assert out.delta[0] == 0.0 and out.metrics["filter_on"] == 1.0
 
 
 def test_entropy_penalty_monotone_and_zero_variance_groups():
@@ -410,13 +414,13 @@ def test_entropy_penalty_monotone_and_zero_variance_groups():
     m = torch.ones(5, 2, dtype=torch.long)
     ent = torch.tensor([0.1, 0.3, 0.5, 0.2, 0.2])[:, None].expand(5, 2).contiguous()
     code = GTPOTrajParams(variant="code", tau=math.inf)
-    out = gtpo_traj_advantages(scores, m, ids, ent, gid, 2, code)
+    out = trajectory(scores, m, ids, ent, gid, 2, code)
     # Code semantics: zero-variance group gets -gamma <H>_i (times G=3 under code_sum), strictly decreasing in H.
     shaped = out.shaped_seq[:3]
     torch.testing.assert_close(shaped, -0.1 * torch.tensor([0.1, 0.3, 0.5]) * 3)
     assert shaped[0] > shaped[1] > shaped[2] and torch.all(shaped < 0)
     paper = GTPOTrajParams(variant="paper", tau=math.inf, use_ini_gate=False)
-    out_p = gtpo_traj_advantages(scores, m, ids, ent, gid, 2, paper)
+    out_p = trajectory(scores, m, ids, ent, gid, 2, paper)
     assert torch.all(out_p.advantages[:3] == 0)
     assert torch.all(out_p.polarity[:3] == 0)
 
@@ -434,12 +438,12 @@ def test_variants_differ_as_specified():
     scores = torch.tensor([1.0, 0.0, 0.0])
     ent = torch.zeros(m.shape)
     code_union = GTPOTrajParams(variant="code", gamma=0.0, nconf_count="union")
-    code = gtpo_traj_advantages(scores, m, ids, ent, gid, 1, code_union)
+    code = trajectory(scores, m, ids, ent, gid, 1, code_union)
     a0 = 1.0 - 1.0 / 3.0
     # Row 0: 3 conflicts (A, B fwd; X bwd) -> n_conf 3; lambda 2 on them; x G = 3.
     torch.testing.assert_close(code.advantages[0], torch.tensor([2, 2, 1, 2]) * a0 / 3 * 3)
     assert code.n_conf.tolist() == [3, 3, 1]
-    paper = gtpo_traj_advantages(
+    paper = trajectory(
         scores, m, ids, ent, gid, 1, GTPOTrajParams(variant="paper", gamma=0.0, use_ini_gate=False, tau=math.inf)
     )
     std = torch.tensor([1.0, 0.0, 0.0]).std()
@@ -457,9 +461,9 @@ def test_official_nconf_is_max_of_the_two_runs_worked_example():
     gid = torch.zeros(4, dtype=torch.long)
     scores = torch.tensor([1.0, 1.0, 0.0, 0.0])
     ent = torch.zeros(m.shape)
-    code = gtpo_traj_advantages(scores, m, ids, ent, gid, 1, GTPOTrajParams(variant="code", gamma=0.0))
+    code = trajectory(scores, m, ids, ent, gid, 1, GTPOTrajParams(variant="code", gamma=0.0))
     assert code.n_conf.tolist() == [3, 2, 3, 2]  # max(f, b); row 0: f = 3, b = 2 -> 3
-    union = gtpo_traj_advantages(
+    union = trajectory(
         scores, m, ids, ent, gid, 1, GTPOTrajParams(variant="code", gamma=0.0, nconf_count="union")
     )
     assert union.n_conf.tolist() == [5, 4, 5, 3]  # f + b - overlap; row 0: 5
@@ -469,7 +473,7 @@ def test_official_nconf_is_max_of_the_two_runs_worked_example():
     torch.testing.assert_close(code.advantages[0], torch.tensor([2.0, 2, 2, 1, 2, 2]) * 0.5 * 4 / 3)
     torch.testing.assert_close(code.advantages[0] * 3, union.advantages[0] * 5)
     # The conflict-token metric counts tokens (the union) under either divisor: 5 + 4 + 5 + 3 of 23 tokens.
-    assert code.metrics["gtpo_traj/conflict_token_frac"] == pytest.approx(17 / 23)
+    assert code.metrics["conflict_token_frac"] == pytest.approx(17 / 23)
 
 
 def test_nconf_count_defaults_per_variant_and_validation():
@@ -486,13 +490,13 @@ def test_nconf_union_subtracts_the_overlap_of_the_two_runs():
     ids, m = _rows([[A, B, C], [A, B, C]])
     gid = torch.zeros(2, dtype=torch.long)
     params = GTPOTrajParams(variant="code", gamma=0.0, nconf_count="union")
-    out = gtpo_traj_advantages(torch.tensor([1.0, 0.0]), m, ids, torch.zeros(m.shape), gid, 1, params)
+    out = trajectory(torch.tensor([1.0, 0.0]), m, ids, torch.zeros(m.shape), gid, 1, params)
     assert out.is_conflict.all()
     assert out.lam.tolist() == [[4.0, 4.0, 4.0], [0.0, 0.0, 0.0]]
     assert out.n_conf.tolist() == [3, 3]
-    assert out.metrics["gtpo_traj/conflict_token_frac"] == 1.0
+    assert out.metrics["conflict_token_frac"] == 1.0
     # lambda summed over the positive row: 4 per token (both runs), 3 tokens; x |A| = 0.5, x G = 2, / n_conf = 3.
-    assert out.metrics["gtpo_traj/adv_abs_mean"] == pytest.approx(4 * 3 * 0.5 * 2 / 3 / 6)
+    assert out.metrics["adv_abs_mean"] == pytest.approx(4 * 3 * 0.5 * 2 / 3 / 6)
 
 
 def test_lambda_flags_follow_unshaped_sign():
@@ -500,7 +504,7 @@ def test_lambda_flags_follow_unshaped_sign():
     ids, m = _rows([[A, B, C], [A, B, D]])
     gid = torch.tensor([0, 0])
     ent = torch.tensor([[9.0, 9.0, 9.0], [0.0, 0.0, 0.0]])
-    out = gtpo_traj_advantages(
+    out = trajectory(
         torch.tensor([1.0, 0.0]), m, ids, ent, gid, 1, _params(lam_pos=2.0, lam_neg=0.0, gamma=1.0)
     )
     assert out.shaped_seq[0] < 0 and out.lam[0].tolist() == [2.0, 2.0, 1.0]
@@ -535,10 +539,10 @@ def _adapter_inputs():
 def test_adapter_registered_and_validates_inputs():
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
-    from gtpo.verl_plugin import trajectory as adapter
+    from gtpo.verl_plugin.estimators import VerlEstimator
 
     fn = get_adv_estimator_fn("gtpo_traj")
-    assert fn is adapter.compute_gtpo_traj_advantage
+    assert isinstance(fn, VerlEstimator) and fn.method.name == "gtpo_traj"
     rewards, m, index, ids = _adapter_inputs()
     with pytest.raises(ValueError, match="entropy"):
         fn(token_level_rewards=rewards, response_mask=m, index=index, config={}, responses=ids)
@@ -548,15 +552,14 @@ def test_adapter_registered_and_validates_inputs():
 
 def test_adapter_measures_h_ini_once_and_refuses_unmeasured_resume():
     from omegaconf import OmegaConf
-
-    from gtpo.verl_plugin import trajectory as adapter
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
     rewards, m, index, ids = _adapter_inputs()
     cfg = OmegaConf.create({"adv_estimator": "gtpo_traj", "gtpo_traj": {"variant": "paper"}})
     state = {"h_ini": None}  # the trainer's gtpo_traj block
     ent = torch.full(m.shape, 0.3)
     metrics = {}
-    adv, ret = adapter.compute_gtpo_traj_advantage(
+    adv, ret = get_adv_estimator_fn("gtpo_traj")(
         token_level_rewards=rewards,
         response_mask=m,
         index=index,
@@ -573,7 +576,7 @@ def test_adapter_measures_h_ini_once_and_refuses_unmeasured_resume():
     assert torch.all(adv[m == 0] == 0) and torch.equal(adv, ret)
     # A later batch with higher entropy does not re-measure: the gate uses the value in the state.
     metrics = {}
-    adapter.compute_gtpo_traj_advantage(
+    get_adv_estimator_fn("gtpo_traj")(
         token_level_rewards=rewards,
         response_mask=m,
         index=index,
@@ -586,13 +589,13 @@ def test_adapter_measures_h_ini_once_and_refuses_unmeasured_resume():
     assert state == {"h_ini": pytest.approx(0.3)} and metrics["gtpo_traj/h_ini"] == pytest.approx(0.3)
     # Without a state a call measures its own batch and keeps nothing.
     metrics = {}
-    adapter.compute_gtpo_traj_advantage(
+    get_adv_estimator_fn("gtpo_traj")(
         token_level_rewards=rewards, response_mask=m, index=index, config=cfg, entropy=ent * 5, responses=ids,
         metrics=metrics,
     )  # fmt: skip
     assert metrics["gtpo_traj/h_ini"] == pytest.approx(1.5) and state == {"h_ini": pytest.approx(0.3)}
     with pytest.raises(ValueError, match="resumed"):
-        adapter.compute_gtpo_traj_advantage(
+        get_adv_estimator_fn("gtpo_traj")(
             token_level_rewards=rewards,
             response_mask=m,
             index=index,
@@ -605,7 +608,7 @@ def test_adapter_measures_h_ini_once_and_refuses_unmeasured_resume():
     # An explicit h_ini needs no measurement.
     cfg2 = OmegaConf.create({"gtpo_traj": {"h_ini": 1.5}})
     metrics = {}
-    adapter.compute_gtpo_traj_advantage(
+    get_adv_estimator_fn("gtpo_traj")(
         token_level_rewards=rewards,
         response_mask=m,
         index=index,
@@ -620,17 +623,16 @@ def test_adapter_measures_h_ini_once_and_refuses_unmeasured_resume():
 
 def test_adapter_row_order_invariance():
     from omegaconf import OmegaConf
-
-    from gtpo.verl_plugin import trajectory as adapter
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
     rewards, m, index, ids = _adapter_inputs()
     cfg = OmegaConf.create({"gtpo_traj": {"variant": "code"}})
     ent = torch.rand(m.shape, generator=torch.Generator().manual_seed(3)) * 0.5
-    adv, _ = adapter.compute_gtpo_traj_advantage(
+    adv, _ = get_adv_estimator_fn("gtpo_traj")(
         token_level_rewards=rewards, response_mask=m, index=index, config=cfg, entropy=ent, responses=ids
     )
     perm = torch.tensor([3, 5, 0, 4, 2, 1])
-    adv_p, _ = adapter.compute_gtpo_traj_advantage(
+    adv_p, _ = get_adv_estimator_fn("gtpo_traj")(
         token_level_rewards=rewards[perm],
         response_mask=m[perm],
         index=index[perm.numpy()],
@@ -647,20 +649,22 @@ def test_adapter_row_order_invariance():
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("variant", ["paper", "code"])
 def test_kernel_matches_definition(seed, variant):
-    from gtpo.algorithms.trajectory import gtpo_traj_reference
+    from gtpo.algorithms.gtpo_traj import gtpo_traj_definition
 
     scores, mask, ids, ent, gid, ng = random_traj_batch(seed)
     overrides = {"nconf_count": "union"} if seed % 2 else {"skip_zero_adv_groups": not (variant == "paper")}
     params = GTPOTrajParams(variant=variant, tau=0.6 if seed % 4 else math.inf, lam_neg=0.5 * (seed % 3), **overrides)
     h_ini = 0.5 if seed % 4 == 1 else None
-    out = gtpo_traj_advantages(scores, mask, ids, ent, gid, ng, params, h_ini, measure_h_ini=True)
+    out = trajectory(scores, mask, ids, ent, gid, ng, params, h_ini, measure_h_ini=True)
     adv, pol, zv = centred_advantages(scores, gid, ng, params.adv_norm, params.eps)
-    ref = gtpo_traj_reference(mask, ids, ent, gid, ng, params, adv, pol, zv, h_ini or out.h_ini)
+    ref = gtpo_traj_definition(mask, ids, ent, gid, ng, params, adv, pol, zv, h_ini or out.h_ini)
     torch.testing.assert_close(out.advantages, ref.advantages, rtol=1e-6, atol=1e-7)
-    for name in ("shaped_seq", "mean_entropy", "delta", "n_conf", "run_fwd", "run_bwd", "last", "lam", "is_conflict"):
+    for name in ("shaped_seq", "mean_entropy", "delta", "n_conf", "lam", "is_conflict"):
         torch.testing.assert_close(getattr(out, name), getattr(ref, name), msg=name)
+    for name in ("fwd", "bwd", "last"):
+        torch.testing.assert_close(getattr(out.runs, name), getattr(ref.runs, name), msg=name)
     assert out.h_ini == pytest.approx(ref.h_ini)
-    metrics = {k: v for k, v in out.metrics.items() if k != "gtpo_traj/kernel_compile_s"}
+    metrics = {k: v for k, v in out.metrics.items() if k != "kernel_compile_s"}
     assert set(metrics) == set(ref.metrics)
     for key, value in ref.metrics.items():
         assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
@@ -671,7 +675,7 @@ def test_kernel_conflict_runs_match_the_loop_reference():
     for trial in range(40):
         scores, mask, ids, ent, gid, ng = random_traj_batch(100 + trial)
         params = _params(lam_pos=2.0, lam_neg=0.5)
-        out = gtpo_traj_advantages(scores, mask, ids, ent, gid, ng, params)
+        out = trajectory(scores, mask, ids, ent, gid, ng, params)
         ref_lam, ref_conf = _slow_reference(ids, mask, gid, out.polarity, 2.0, 0.5)
         assert torch.equal(out.is_conflict, ref_conf), trial
         assert torch.allclose(out.lam, ref_lam), trial
@@ -682,18 +686,18 @@ def test_nan_entropy_on_a_valid_token_raises(monkeypatch, kernel):
     from gtpo.algorithms import kernel_dispatch
 
     if not kernel:  # numba missing: the definition runs, with the same check
-        monkeypatch.setattr(kernel_dispatch, "_OFF", {"trajectory_kernel"})
+        monkeypatch.setattr(kernel_dispatch, "_OFF", {"gtpo_traj"})
     ids, m, gid, scores = _example_batch()
     ent = torch.where(m.bool(), torch.rand(m.shape), float("nan"))  # NaN padding is fine
-    gtpo_traj_advantages(scores, m, ids, ent, gid, 2, _params())
+    trajectory(scores, m, ids, ent, gid, 2, _params())
     ent[2, 1] = float("nan")
     with pytest.raises(ValueError, match="entropy holds NaN on 1 valid token"):
-        gtpo_traj_advantages(scores, m, ids, ent, gid, 2, _params())
+        trajectory(scores, m, ids, ent, gid, 2, _params())
 
 
 def test_ini_gate_without_h_ini_needs_a_measurement():
     ids, m, gid, scores = _example_batch()
     with pytest.raises(ValueError, match="h_ini=None"):
-        gtpo_traj_advantages(scores, m, ids, torch.rand(m.shape), gid, 2, GTPOTrajParams())
-    out = gtpo_traj_advantages(scores, m, ids, torch.full(m.shape, 0.25), gid, 2, GTPOTrajParams(), measure_h_ini=True)
-    assert out.h_ini == pytest.approx(0.25) and out.metrics["gtpo_traj/h_ini"] == pytest.approx(0.25)
+        trajectory(scores, m, ids, torch.rand(m.shape), gid, 2, GTPOTrajParams())
+    out = trajectory(scores, m, ids, torch.full(m.shape, 0.25), gid, 2, GTPOTrajParams(), measure_h_ini=True)
+    assert out.h_ini == pytest.approx(0.25) and out.metrics["h_ini"] == pytest.approx(0.25)

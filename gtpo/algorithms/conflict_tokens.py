@@ -214,10 +214,15 @@ def conflict_weights(
     polarity: torch.Tensor,
     lam_pos: float = 2.0,
     lam_neg: float = 0.0,
+    *,
+    first_block: int = FIRST_BLOCK,
+    max_block: int = 4096,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(lam [B, L] float32, is_conflict [B, L] bool)``: the dense weights ``lambda_fwd * lambda_bwd * m`` (1 on the
     valid tokens of inactive rows and of non-conflict tokens, 0 on padding) and the run tokens."""
-    runs = conflict_runs(responses, response_mask, gid, num_groups, polarity)
+    runs = conflict_runs(
+        responses, response_mask, gid, num_groups, polarity, first_block=first_block, max_block=max_block
+    )
     num_rows, length = responses.shape
     lam_c = torch.where(polarity > 0, lam_pos, lam_neg).to(torch.float32).to(responses.device)
     lam = response_mask.to(torch.float32).clone()

@@ -42,6 +42,7 @@ __all__ = [
     "GRPOSParams",
     "grpo_s_advantages",
     "grpo_s_definition",
+    "grpo_s_loss_matrix",
     "grpo_s_policy_loss",
     "grpo_s_sequence_rewards",
     "sequence_entropy",
@@ -95,18 +96,17 @@ class GRPOSParams:
 
 @torch.no_grad()
 def grpo_s_advantages(
-    rewards: torch.Tensor,
+    entropy: torch.Tensor,
     response_mask: torch.Tensor,
+    rewards: torch.Tensor,
     gid: torch.Tensor,
     num_groups: int,
     params: GRPOSParams | None = None,
-    *,
-    entropy: torch.Tensor,
     reward_offset: torch.Tensor | None = None,
     **_: object,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO-S advantages (Eq. 8, 9, §2.3) broadcast to the tokens, and diagnostics: the recipe's estimator contract
-    (arguments as :func:`gtpo.algorithms.gtpo_token.gtpo_token_advantages`'; ``responses`` unused).
+    """GRPO-S advantages (Eq. 8, 9, §2.3) broadcast to the tokens, and diagnostics (the estimator contract and the
+    arguments of :func:`gtpo.algorithms.gtpo_token.gtpo_token_advantages`; ``responses`` unused).
 
     Edge cases (docs/ALGORITHMS.md §4.3): an all-correct (all-wrong) group keeps a non-zero entropy-rank advantage
     unless its ``Hbar`` are all equal (then 0, as GRPO); uniform ``Hbar`` or ``beta2 = 0`` give verl GRPO's
@@ -298,24 +298,25 @@ def sequence_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_
     return ratio.sum(-1) / m.sum(-1).clamp(min=1).to(ratio.dtype)
 
 
-def grpo_s_policy_loss(
+def grpo_s_loss_matrix(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     clip_low: float,
     clip_high: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Eq. 10, 11: ``(loss_mat [B, L], metrics)``, each response's clipped sequence loss ``l_i`` on its valid tokens.
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Eq. 10, 11: each response's clipped sequence loss ``l_i`` on its valid tokens, ``[B, L]`` (0 on padding).
 
-    ``loss_mat`` is 0 on padding; aggregated with verl's ``seq-mean-token-mean`` it is the paper's
-    ``(1/G) sum_i l_i``. While ``w_i`` is inside its clip range (or on the unclipped side of it),
-    ``d l_i / d logp_{i,t} = -A_i ratio_{i,t} / |o_i|``; when ``A_i > 0`` and ``w_i > 1 + clip_high``, or
-    ``A_i < 0`` and ``w_i < 1 - clip_low``, the whole sequence gets zero gradient. If ``advantages`` are not constant
-    along a row, each token uses its own advantage with the shared sequence weight.
+    Aggregated with verl's ``seq-mean-token-mean`` it is the paper's ``(1/G) sum_i l_i``. While ``w_i`` is inside its
+    clip range (or on the unclipped side of it), ``d l_i / d logp_{i,t} = -A_i ratio_{i,t} / |o_i|``; when
+    ``A_i > 0`` and ``w_i > 1 + clip_high``, or ``A_i < 0`` and ``w_i < 1 - clip_low``, the whole sequence gets zero
+    gradient. If ``advantages`` are not constant along a row, each token uses its own advantage with the shared
+    sequence weight.
 
-    Metrics (python floats of this micro-batch): ``seq_ratio_mean|min|max``, ``seq_clipfrac``,
-    ``seq_clipfrac_high``, ``seq_clipfrac_low``, ``ppo_kl``.
+    Returns:
+        ``(loss_mat, stats)``; ``stats`` (detached): ``seq_ratio`` ``[B]``, ``seq_clipped_high`` /
+        ``seq_clipped_low`` ``[B]`` bool (the clipped side is active: zero gradient), ``seq_valid`` ``[B]`` bool.
     """
     if not (log_prob.shape == old_log_prob.shape == advantages.shape == response_mask.shape):
         raise ValueError(
@@ -330,15 +331,35 @@ def grpo_s_policy_loss(
     w = sequence_ratio(log_prob, old_log_prob, m)[:, None]
     surrogate = -torch.minimum(w * adv, w.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
     loss_mat = torch.where(m, surrogate, torch.zeros_like(surrogate))
-
     valid = m.any(-1)
     ratio = w.detach().squeeze(-1)
     seq_adv = adv.sum(-1) / m.sum(-1).clamp(min=1).to(adv.dtype)
-    high = int((valid & (seq_adv > 0) & (ratio > 1.0 + clip_high)).sum())
-    low = int((valid & (seq_adv < 0) & (ratio < 1.0 - clip_low)).sum())
+    stats = {
+        "seq_ratio": ratio,
+        "seq_clipped_high": valid & (seq_adv > 0) & (ratio > 1.0 + clip_high),
+        "seq_clipped_low": valid & (seq_adv < 0) & (ratio < 1.0 - clip_low),
+        "seq_valid": valid,
+    }
+    return loss_mat, stats
+
+
+def grpo_s_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO-S's policy loss (:func:`grpo_s_loss_matrix`) and its metrics, python floats of this micro-batch:
+    ``seq_ratio_mean|min|max``, ``seq_clipfrac``, ``seq_clipfrac_high``, ``seq_clipfrac_low``, ``ppo_kl``."""
+    loss_mat, stats = grpo_s_loss_matrix(log_prob, old_log_prob, advantages, response_mask, clip_low, clip_high)
+    m = response_mask.bool()
+    valid = stats["seq_valid"]
+    high, low = int(stats["seq_clipped_high"].sum()), int(stats["seq_clipped_low"].sum())
     n_seq, n_tok = max(int(valid.sum()), 1), max(int(m.sum()), 1)
     kl = torch.where(m, (old_log_prob - log_prob).detach(), torch.zeros_like(log_prob)).sum() / n_tok
-    seen = ratio[valid]
+    seen = stats["seq_ratio"][valid]
     metrics = {
         "seq_ratio_mean": float(seen.mean()) if seen.numel() else 1.0,
         "seq_ratio_min": float(seen.min()) if seen.numel() else 1.0,

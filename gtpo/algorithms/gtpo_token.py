@@ -114,31 +114,39 @@ class GTPOParams:
         check_real("conflict_lam_pos", self.conflict_lam_pos, lo=0.0)
         check_real("conflict_lam_neg", self.conflict_lam_neg, lo=0.0)
 
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """What these knobs need from the batch beyond the entropy: the token ids under ``conflict_mask``."""
+        return ("responses",) if self.conflict_mask else ()
+
 
 @torch.no_grad()
 def gtpo_token_advantages(
-    rewards: torch.Tensor,
+    entropy: torch.Tensor,
     response_mask: torch.Tensor,
+    rewards: torch.Tensor,
     gid: torch.Tensor,
     num_groups: int,
     params: GTPOParams | None = None,
-    *,
-    entropy: torch.Tensor,
-    responses: torch.Tensor | None = None,
     reward_offset: torch.Tensor | None = None,
+    responses: torch.Tensor | None = None,
     **_: object,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GTPO-token advantages (Eq. 3, 5, 6) and diagnostics: the recipe's estimator contract.
+    """GTPO-token advantages (Eq. 3, 5, 6) and diagnostics.
+
+    The recipe's estimator contract (every row's ``advantages``, called by keyword by :mod:`gtpo.verl_plugin`):
+    ``entropy``, ``response_mask``, ``rewards``, ``gid``, ``num_groups``, ``params``, ``reward_offset``,
+    ``responses``, ``state``, ``global_steps``; an estimator takes what it reads and ignores the rest.
 
     Args:
-        rewards: ``[B]`` sequence rewards (the verifier's; they decide correctness).
+        entropy: ``[B, L]`` old-policy token entropy (any float dtype; padding may hold anything, NaN included).
         response_mask: ``[B, L]`` 0/1 (bool, int or float); may hold zeros inside a response (tool tokens).
+        rewards: ``[B]`` sequence rewards (the verifier's; they decide correctness).
         gid: ``[B]`` int64 group ids in ``0 .. num_groups - 1``; rows in any order, groups of any size.
         num_groups: ``NG``.
         params: :class:`GTPOParams` (None: the defaults).
-        entropy: ``[B, L]`` old-policy token entropy (any float dtype; padding may hold anything, NaN included).
-        responses: ``[B, L]`` token ids; required under ``params.conflict_mask``.
         reward_offset: optional ``[B]`` additive reward (GROP's penalty), added to both bases.
+        responses: ``[B, L]`` token ids; required under ``params.conflict_mask``.
 
     Returns:
         ``(advantages [B, L] float32, zero on padding; diagnostics)``, the diagnostics python floats:
@@ -464,13 +472,10 @@ def check_inputs(entropy, response_mask, rewards, gid, num_groups, reward_offset
     b = entropy.shape[0]
     if not isinstance(rewards, torch.Tensor) or tuple(rewards.shape) != (b,):
         raise ValueError(f"rewards must have shape [{b}] (one sequence reward per row), got {_shape(rewards)}")
-    if (
-        not isinstance(gid, torch.Tensor)
-        or tuple(gid.shape) != (b,)
-        or gid.is_floating_point()
-        or gid.dtype == torch.bool
-    ):
-        raise ValueError(f"gid must be an integer tensor of shape [{b}], got {_shape(gid)}")
+    if not isinstance(gid, torch.Tensor) or tuple(gid.shape) != (b,):
+        raise ValueError(f"gid must have shape [{b}], got {_shape(gid)}")
+    if gid.is_floating_point() or gid.dtype == torch.bool:
+        raise ValueError(f"gid must be an integer tensor, got dtype {gid.dtype}")
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
         raise ValueError(f"num_groups={num_groups!r}: must be a non-negative int")
     if b > 0 and (int(gid.min()) < 0 or int(gid.max()) >= num_groups):

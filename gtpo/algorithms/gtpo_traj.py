@@ -173,20 +173,19 @@ class GTPOTrajOutput(NamedTuple):
 
 @torch.no_grad()
 def gtpo_traj_advantages(
-    rewards: torch.Tensor,
+    entropy: torch.Tensor,
     response_mask: torch.Tensor,
+    rewards: torch.Tensor,
     gid: torch.Tensor,
     num_groups: int,
     params: GTPOTrajParams | None = None,
-    *,
-    entropy: torch.Tensor,
-    responses: torch.Tensor,
+    responses: torch.Tensor | None = None,
     state: dict | None = None,
     global_steps: int | None = None,
     **_: object,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GTPO-trajectory advantages and diagnostics: the recipe's estimator contract (arguments as
-    :func:`gtpo.algorithms.gtpo_token.gtpo_token_advantages`').
+    """GTPO-trajectory advantages and diagnostics (the estimator contract of
+    :func:`gtpo.algorithms.gtpo_token.gtpo_token_advantages`; ``responses`` required, ``reward_offset`` unused).
 
     ``state`` is the trainer's ``gtpo_traj`` block of its cross-step state: with the ini gate on and ``h_ini`` null,
     the first call measures ``<H>_ini`` on its batch and writes ``state["h_ini"]``, where later calls read it. None:

@@ -55,6 +55,7 @@ def kernel_guard(name: str) -> Iterator[None]:
             warnings.warn(
                 f"{name}: compiled kernel {'failed' if imported else 'unavailable'} ({type(err).__name__}: {err}); "
                 "evaluating the float64 torch definition instead (slower, more memory)",
+                RuntimeWarning,
                 stacklevel=3,
             )
 

@@ -67,6 +67,11 @@ class ForkingParams:
         object.__setattr__(self, "rho", float(self.rho))
         check_choice("scope", self.scope, SCOPES)
 
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """What the forking loss needs from the batch: the old policy's entropy under ``scope=batch``."""
+        return ("entropy",) if self.enable and self.scope == "batch" else ()
+
 
 def _check_rho(rho: float) -> None:
     if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not (0.0 < rho <= 1.0):

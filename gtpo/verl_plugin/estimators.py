@@ -54,8 +54,9 @@ class VerlEstimator:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         method, name = self.method, self.method.adv_estimator
+        params = knob(config, method.knobs)
         given = {"entropy": entropy, "responses": responses}
-        for need in method.needs:
+        for need in (*method.needs, *getattr(params, "needs", ())):
             if given[need] is None:
                 raise ValueError(
                     f"adv_estimator={name} needs {need}=, which the recipe's trainers hand over "
@@ -64,23 +65,24 @@ class VerlEstimator:
                 )
             _check_like(need, given[need], token_level_rewards)
         _check_like("response_mask", response_mask, token_level_rewards)
-        if index is None or len(index) != token_level_rewards.shape[0]:
-            raise ValueError(f"adv_estimator={name} needs index (the uid of each row's prompt group), one per row")
+        if index is None:
+            raise ValueError(f"adv_estimator={name} needs index (the uid of each row's prompt group), got None")
+        if len(index) != token_level_rewards.shape[0]:
+            raise ValueError(f"index has {len(index)} entries for {token_level_rewards.shape[0]} rows")
         gid, num_groups = group_ids(index)
         gid = gid.to(token_level_rewards.device)
         rewards = row_sums(token_level_rewards)
-        params = knob(config, method.knobs)
         extra: dict[str, float] = {}
         offset = None
         if method.applies_grop:
             offset = _grop_offset(config, rewards, response_mask, gid, num_groups, params.reward_threshold, extra)
         advantages, diagnostics = method.advantages(
-            rewards,
-            response_mask,
-            gid,
-            num_groups,
-            params,
             entropy=entropy,
+            response_mask=response_mask,
+            rewards=rewards,
+            gid=gid,
+            num_groups=num_groups,
+            params=params,
             responses=responses,
             reward_offset=offset,
             state=state,

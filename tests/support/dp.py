@@ -14,7 +14,7 @@ dispatch the stub captures. ``KVBatchMeta.chunk(dp)`` then gives each rank its r
 
 Worker side (:func:`start_ranks` / :func:`wait_ranks`, spawned processes over gloo): each rank builds verl's
 ``ActorRolloutRefWorker`` (a plain class under Ray's decorator) from the composed recipe config, ``init_model()``
-(verl's FSDP2 engine, the ``ppo_loss`` it binds, the recipe's loss replacement from ``forking.install``), reads its
+(verl's FSDP2 engine, the ``ppo_loss`` it binds, the recipe's loss replacement from ``actor_loss.install``), reads its
 rows exactly as verl's ``tqbridge`` would hand them over (jagged tensors, ``extra_info`` as non-tensor data) and
 calls ``update_actor``: verl's ``train_mini_batch`` -> ``train_batch`` -> ``FSDPEngine.train_batch`` (global
 ``batch_num_tokens`` all-reduced over dp, micro-batches, backward, FSDP2 gradient reduce-scatter, clip, optimizer).
@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from gtpo.methods import METHODS as ROWS
+
 # (prompt length, response lengths, rewards) per prompt group; the second group lost one of its 4 sessions.
 GROUPS = (
     (7, (5, 16, 9, 3), (1.0, 0.0, 0.0, 1.0)),
@@ -59,11 +61,10 @@ CLIP_GRAD = 1.0e4  # no clipping in effect: the update keeps the gradient's scal
 PERTURB = 0.05  # std of the noise that separates the trained policy's weights from the old policy's
 RHO = 0.2
 
-# name -> recipe config overrides (on top of backend=cpu_tiny and the batch settings of compose_config)
+# name -> recipe config overrides (on top of backend=cpu_tiny and the batch settings of compose_config): every recipe
+# estimator of the method table, and the forking-token loss at both scopes
 METHODS = {
-    "gtpo": ["method=gtpo"],
-    "grpo_s": ["method=grpo_s"],
-    "gtpo_traj": ["method=gtpo_traj"],
+    **{name: [f"method={name}"] for name, row in ROWS.items() if row.advantages is not None},
     "forking_batch": ["method=dapo_forking", "algorithm.forking.scope=batch", f"algorithm.forking.rho={RHO}"],
     "forking_micro_batch": [
         "method=dapo_forking",
@@ -379,8 +380,8 @@ class DriverBatch:
 
 def make_driver(cfg, dp: int, store: MemoryTQ, old_model):
     """The recipe's sync trainer object with only what the steps used here read (no constructor, no Ray)."""
+    from gtpo.methods import knob
     from gtpo.trainer.modes import GTPOTrainerSync
-    from gtpo.verl_plugin import forking
 
     drv = object.__new__(GTPOTrainerSync)
     drv.config = cfg
@@ -388,7 +389,7 @@ def make_driver(cfg, dp: int, store: MemoryTQ, old_model):
     drv.use_critic = False
     drv.global_steps = 1
     drv.actor_rollout_wg = DriverWorkerGroup(dp, store, old_model)
-    params = forking.load_params(cfg.algorithm)
+    params = knob(cfg.algorithm, "forking")
     drv._forking = params if params.enable else None
     return drv
 
@@ -554,10 +555,10 @@ def train_and_record(cfg, worker, data, rank: int) -> RankResult:
     from verl.utils.metric import reduce_metrics
     from verl.utils.py_functional import rename_dict
 
-    from gtpo.verl_plugin import forking
+    from gtpo.verl_plugin import actor_loss
 
     # the recipe's loss replacement, as GTPOTrainerMixin.on_init_end installs it through the worker group
-    forking.install(SimpleNamespace(config=cfg, actor_rollout_wg=worker))
+    actor_loss.install(SimpleNamespace(config=cfg, actor_rollout_wg=worker))
     recorder = RecordingLoss(worker.actor.loss_fn)
     worker.actor.set_loss_fn(recorder)
     out = worker.update_actor(data)

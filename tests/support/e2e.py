@@ -149,8 +149,7 @@ def _recipe_launch(
     cluster.wait_until_free()
     metrics_path = workdir / f"{metrics_name or name}.metrics.jsonl"
     log_path = workdir / f"{name}.log"
-    env = dict(os.environ)
-    env.update(cpu_env())
+    env = cpu_env(base=dict(os.environ))  # modules the caller's environment names stay (a test's own method)
     env["RAY_ADDRESS"] = cluster.address
     env.update(cluster.auth_env)
     env["PYTHONUNBUFFERED"] = "1"

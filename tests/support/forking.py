@@ -1,4 +1,4 @@
-"""verl's actor config and a worker-style micro-batch for the loss hooks (gtpo/verl_plugin/forking.py and the
+"""verl's actor config and a worker-style micro-batch for the loss hooks (gtpo/verl_plugin/actor_loss.py and the
 sequence-level losses), called as verl's ``ppo_loss`` calls them.
 """
 
@@ -65,6 +65,6 @@ def micro_batch(prompt_lens, resp_ents, advs, *, dp_size=1, batch_num_tokens=Non
 
 def forking_params(**kw):
     """The forking-token selection switched on, with ``kw`` (``rho``, ...)."""
-    from gtpo.verl_plugin.forking import ForkingParams
+    from gtpo.algorithms.token_selection import ForkingParams
 
     return ForkingParams(enable=True, **kw)

@@ -89,7 +89,7 @@ PATHS = {
 }
 
 # Methods trained on every path ("forking_micro_batch" too: it differs by design where micro-batches differ).
-METHODS = ("gtpo", "grpo_s", "gtpo_traj", "forking_batch", "forking_micro_batch")
+METHODS = tuple(S.METHODS)
 
 # The random tiny model's next-token entropies all lie within 0.05 nats of ln(43); its final norm scaled by this makes
 # them spread over 0.1-3.7 nats, as a trained model's do, so that a wrong token's entropy is far off.
