@@ -1,4 +1,4 @@
-"""docs/architecture.md's "Add a method", followed to the end: a toy method of the test tree trains through verl's trainer.
+"""docs/architecture.md's "Add a method" followed to the end: a toy method of the test tree trains in verl's trainer.
 
     GTPO_SLOW_TESTS=1 .venv/bin/python -m pytest -q tests/test_e2e_add_a_method.py
 

@@ -391,8 +391,6 @@ def test_registered_loss_detaches_entropy_path(actor_config):
     tlr[:, -1] = torch.tensor([1.0, -1.0, 1.0, -1.0])
     adv, _ = compute_grpo_s_advantage(tlr, mask, index=np.array(["a"] * 4, dtype=object), entropy=ent)
     logp = torch.randn(4, 3, requires_grad=True)
-    loss, _ = compute_policy_loss_grpo_s(
-        logp.detach() - 0.1, logp, adv, mask, "seq-mean-token-mean", actor_config
-    )
+    loss, _ = compute_policy_loss_grpo_s(logp.detach() - 0.1, logp, adv, mask, "seq-mean-token-mean", actor_config)
     loss.backward()
     assert logits_h.grad is None and logp.grad is not None

@@ -176,7 +176,6 @@ def test_falls_back_to_the_definition_when_the_kernel_fails_to_compile(monkeypat
     _fresh_kernel_state(monkeypatch)
     from numba.core.errors import NumbaError
 
-
     def broken(*args, **kwargs):
         raise NumbaError("no LLVM target")
 

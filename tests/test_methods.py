@@ -1,6 +1,6 @@
 """The method table (gtpo/methods.py): its rows against the presets, the knob registry against the YAML, the one list.
 
-    .venv/bin/python -m pytest -q tests/test_methods.py
+.venv/bin/python -m pytest -q tests/test_methods.py
 """
 
 from __future__ import annotations

@@ -301,7 +301,6 @@ def _traj_kwargs(entropy: float, global_steps: int) -> dict:
     )
 
 
-
 def _traj_estimator():
     """gtpo_traj's estimator as verl's trainer calls it."""
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn

@@ -463,9 +463,7 @@ def test_official_nconf_is_max_of_the_two_runs_worked_example():
     ent = torch.zeros(m.shape)
     code = trajectory(scores, m, ids, ent, gid, 1, GTPOTrajParams(variant="code", gamma=0.0))
     assert code.n_conf.tolist() == [3, 2, 3, 2]  # max(f, b); row 0: f = 3, b = 2 -> 3
-    union = trajectory(
-        scores, m, ids, ent, gid, 1, GTPOTrajParams(variant="code", gamma=0.0, nconf_count="union")
-    )
+    union = trajectory(scores, m, ids, ent, gid, 1, GTPOTrajParams(variant="code", gamma=0.0, nconf_count="union"))
     assert union.n_conf.tolist() == [5, 4, 5, 3]  # f + b - overlap; row 0: 5
     # Same weights under both counts; only the divisor differs. Row 0: A = 0.5, x G = 4, / 3.
     assert torch.equal(code.lam, union.lam)
@@ -504,9 +502,7 @@ def test_lambda_flags_follow_unshaped_sign():
     ids, m = _rows([[A, B, C], [A, B, D]])
     gid = torch.tensor([0, 0])
     ent = torch.tensor([[9.0, 9.0, 9.0], [0.0, 0.0, 0.0]])
-    out = trajectory(
-        torch.tensor([1.0, 0.0]), m, ids, ent, gid, 1, _params(lam_pos=2.0, lam_neg=0.0, gamma=1.0)
-    )
+    out = trajectory(torch.tensor([1.0, 0.0]), m, ids, ent, gid, 1, _params(lam_pos=2.0, lam_neg=0.0, gamma=1.0))
     assert out.shaped_seq[0] < 0 and out.lam[0].tolist() == [2.0, 2.0, 1.0]
 
 
