@@ -16,17 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from gtpo.knobs import load_knobs
-from gtpo.trainer.preemption import (
-    EXIT_CODE,
-    DriverRelay,
-    PreemptedError,
-    PreemptionParams,
-    StopPolicy,
-    parse_deadline,
-    resolve_deadline,
-)
-from gtpo.trainer.preemption_hooks import TrainerStop
+from gtpo.knobs import PreemptionParams, load_knobs, parse_deadline
+from gtpo.trainer.preemption.driver import DriverRelay
+from gtpo.trainer.preemption.stop import EXIT_CODE, PreemptedError, StopPolicy, TrainerStop, resolve_deadline
 
 # --------------------------------------------------------------------------------------------------------- knobs
 

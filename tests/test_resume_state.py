@@ -14,7 +14,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from gtpo.metric_log import read_file_log
-from gtpo.trainer import checkpoint_state, metric_history
+from gtpo.trainer.observe import metric_history
+from gtpo.trainer.resume import checkpoint_state
 from gtpo.verl_plugin import trajectory as traj_adapter
 
 

@@ -64,11 +64,13 @@ from verl.workers.utils.padding import response_to_nested
 from gtpo.algorithms.token_selection import FRACTION_KEY, THRESHOLD_KEY, batch_threshold_extra_info
 from gtpo.knobs import GroupParams
 from gtpo.methods import knob, recipe_estimator
-from gtpo.trainer import checkpoint_state, checkpoint_world_size, checkpoints, metric_history, startup_checks, watchdog
 from gtpo.trainer.dynamic_sampling import bound_generation_rounds
 from gtpo.trainer.group_sizes import group_size_metrics
-from gtpo.trainer.preemption_hooks import TrainerStop
-from gtpo.trainer.reshard import finish_interrupted_reshards
+from gtpo.trainer.guard import startup_checks, watchdog
+from gtpo.trainer.observe import metric_history
+from gtpo.trainer.preemption.stop import TrainerStop
+from gtpo.trainer.resume import checkpoint_state, checkpoint_world_size, checkpoints
+from gtpo.trainer.resume.reshard import finish_interrupted_reshards
 from gtpo.verl_plugin import actor_loss
 
 # verl's staleness metrics (PPOTrainer._compute_metrics) -> the suffix they are also logged under, per estimator.
@@ -134,7 +136,7 @@ class GTPOTrainerMixin:
         # truncate its log; TensorBoard would show the killed run's later steps beside the resumed ones).
         self._metric_history = metric_history.MetricHistory.for_trainer(self.config.trainer, self.global_steps)
         # Stop requests (signals to the driver) and the job's deadline, checked at every step boundary.
-        self._preemption = TrainerStop.for_trainer(self.config.algorithm)
+        self._preemption = TrainerStop(knob(self.config.algorithm, "preemption"))
         return super().fit(agent_loop_manager)
 
     def on_step_begin(self):

@@ -11,9 +11,9 @@ Rank 0 reports the driver's reduction of each update's metrics, the full weights
 training state (weights, both AdamW moments, the optimizer's step, the scheduler's position) after a load and at a
 save.
 
-:func:`killed_reshard` runs ``gtpo.trainer.reshard.reshard_checkpoint`` in a child process that ``SIGKILL``s itself
-at a chosen instant: after its first new file, between the two renames of the swap, or after the swap before the
-original is removed.
+:func:`killed_reshard` runs ``gtpo.trainer.resume.reshard.reshard_checkpoint`` in a child process that ``SIGKILL``s
+itself at a chosen instant: after its first new file, between the two renames of the swap, or after the swap before
+the original is removed.
 """
 
 from __future__ import annotations
@@ -203,8 +203,8 @@ def run_phase(job: Phase, folder: Path, timeout: float = 600) -> PhaseResult:
 
 _KILLED = """
 import os, shutil, signal, sys
-import gtpo.trainer.reshard as reshard
-import gtpo.trainer.reshard_shards as shards
+import gtpo.trainer.resume.reshard as reshard
+import gtpo.trainer.resume.reshard_shards as shards
 
 folder, world_size, at = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 real_fsync, real_replace, real_rmtree = shards.fsync, os.replace, shutil.rmtree

@@ -28,7 +28,8 @@ exits with :data:`EXIT_CODE`, so no stall outlives its limit by more than ``grac
 The driver (``recipe/gtpo/main_gtpo.py``) exits with :data:`EXIT_CODE` too: Ray hands it the trainer's
 :class:`StageTimeoutError` (an instance of it, wrapped with the remote traceback), or, after the trainer process
 exited, only a dead actor; for that case the expiry is also left in Ray's key-value store under the job's id
-(:func:`gtpo.trainer.preemption.record_stall`, read back with :func:`gtpo.trainer.preemption.recorded_stall`).
+(:func:`gtpo.trainer.preemption.channel.record_stall`, read back with
+:func:`gtpo.trainer.preemption.channel.recorded_stall`).
 """
 
 from __future__ import annotations
@@ -245,7 +246,7 @@ def watchdog_of(trainer) -> StageWatchdog:
     if watchdog is None:
 
         def on_expire(message: str) -> None:
-            from gtpo.trainer.preemption import record_stall
+            from gtpo.trainer.preemption.channel import record_stall
 
             record_stall(message)
             stop_workers(trainer)

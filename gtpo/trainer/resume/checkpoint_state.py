@@ -17,7 +17,7 @@ holds pure results.
 The file is the last one a save writes: :class:`StateAfterSave` writes it from verl's checkpoint callback, which
 ``_save_checkpoint`` calls once the actor, the critic, ``data.pt`` (and ``transfer_queue/``) are written and the
 tracker updated; the trainer removes a stale copy before each save starts. Its presence therefore marks a checkpoint
-that was written whole (``gtpo.trainer.checkpoints``, which also checks that every rank's shards are still
+that was written whole (``gtpo.trainer.resume.checkpoints``, which also checks that every rank's shards are still
 there). It is written to a temporary name and renamed, so it is never half-written; removing an old checkpoint
 starts with it.
 """
