@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from gtpo.trainer.group_sizes import GroupParams, ShortGroupError, group_size_metrics
+from gtpo.knobs import GroupParams
+from gtpo.trainer.group_sizes import ShortGroupError, group_size_metrics
 from tests.support.v1_trainers import compute_advantages, make_trainer, tq_batch
 
 

@@ -77,7 +77,7 @@ RULES = [
     ("gtpo.viz", ("gtpo.verl_plugin", "gtpo.trainer", "gtpo.launch")),
     ("gtpo.metric_log", ("gtpo.verl_plugin", "gtpo.trainer", "gtpo.launch", "gtpo.viz", "gtpo.cpu", "verl")),
     # the three rooms: the trainer's runtime reaches neither the adapters verl calls nor the launch tooling
-    ("gtpo.trainer", ("gtpo.verl_plugin", "gtpo.launch")),
+    ("gtpo.trainer", ("gtpo.verl_plugin.register", "gtpo.launch")),
     # the knob reader every room uses sits below all of them
     ("gtpo.knobs", ("gtpo.verl_plugin", "gtpo.trainer", "gtpo.launch", "gtpo.viz", "gtpo.cpu", "verl")),
     ("gtpo.algorithms", ("verl", "ray", "vllm", "omegaconf")),
@@ -112,7 +112,7 @@ def test_only_the_cpu_corner_imports_it():
 
 def test_the_graph_sees_lazy_imports():
     """The reader finds an import inside a function (how the trainer reaches the picture layer)."""
-    assert "gtpo.viz.dump_writer" in reachable("gtpo.trainer.mixin")
+    assert "gtpo.viz.dump_writer" in reachable("gtpo.trainer.observe.hooks")
     assert "matplotlib.figure" in reachable("gtpo.viz.curves")
 
 

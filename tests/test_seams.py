@@ -50,28 +50,28 @@ class Pin:
 PINS: tuple[Pin, ...] = (
     Pin(
         "advantage-fields",
-        "gtpo/trainer/mixin.py",
+        "gtpo/trainer/advantage.py",
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_advantage",
         "2a4a2aa4a475b228d401959818e0b9019276ce27961c133961de217baa387da7",
         "verl",
     ),
     Pin(
         "advantage-fields",
-        "gtpo/trainer/mixin.py",
+        "gtpo/trainer/advantage.py",
         "verl.trainer.ppo.ray_trainer:compute_advantage",
         "314695381c755264971a8f25865625bad4cf46c35d91901ba2a8f5e1ea980a18",
         "verl",
     ),
     Pin(
         "metric-history-hooks",
-        "gtpo/trainer/mixin.py",
+        "gtpo/trainer/observe/hooks.py",
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit",
         "7d83a81c2e62979ffec22f90dc8f2e44bf98dd59d6b50809c359727090cb4a56",
         "verl",
     ),
     Pin(
         "trainer-mode",
-        "gtpo/trainer/mixin.py",
+        "gtpo/trainer/modes.py",
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer.__init__",
         "6f938d77859b66aeeceb03a39bc9a7b5e7b6f50004aa8b1e2508f6e289fa1b93",
         "verl",
@@ -85,14 +85,14 @@ PINS: tuple[Pin, ...] = (
     ),
     Pin(
         "replay-buffer-poll-interval",
-        "gtpo/trainer/mixin.py",
+        "gtpo/trainer/modes.py",
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer._build_replay_buffer",
         "c6c5bd0783311ea3ed37f2f5054eb1d23533deb76b181643419b2f37897f38be",
         "verl",
     ),
     Pin(
         "replay-buffer-poll-interval",
-        "gtpo/trainer/mixin.py",
+        "gtpo/trainer/modes.py",
         "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer._wait_for_next_poll",
         "10088bf03da693830d23be51540b04ad3e21e34566f70cbe8863f2867873f8cd",
         "verl",
@@ -446,7 +446,7 @@ def test_a_planted_change_names_its_seam_file_and_row(monkeypatch):
     assert lines[0].startswith(
         "seam 'advantage-fields': verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_advantage"
     )
-    assert "re-read gtpo/trainer/mixin.py and the row `advantage-fields` of the Seams table" in lines[0]
+    assert "re-read gtpo/trainer/advantage.py and the row `advantage-fields` of the Seams table" in lines[0]
 
 
 def test_a_changed_source_file_fails_its_file_pin(tmp_path, monkeypatch):
@@ -470,7 +470,7 @@ def test_a_changed_source_file_fails_its_file_pin(tmp_path, monkeypatch):
 
 def test_a_missing_upstream_definition_is_reported_not_raised():
     pin = Pin(
-        "advantage-fields", "gtpo/trainer/mixin.py", "verl.trainer.ppo.v1.trainer_base:PPOTrainer._gone", "0", "verl"
+        "advantage-fields", "gtpo/trainer/advantage.py", "verl.trainer.ppo.v1.trainer_base:PPOTrainer._gone", "0", "verl"
     )
     (line,) = seam_mismatches([pin])
     assert "cannot be read (AttributeError" in line and "the row `advantage-fields`" in line

@@ -68,8 +68,7 @@ def test_advantage_step_feeds_entropy_and_tokens_and_skips_padding_rows():
     import torch
     from tensordict import TensorDict
     from verl.protocol import DataProto
-
-    from gtpo.verl_plugin.entropy_shaping import compute_gtpo_advantage
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
     trainer = make_trainer(["method=gtpo", "algorithm.gtpo.conflict_mask=true"])
     trainer.global_steps = 3
@@ -95,7 +94,7 @@ def test_advantage_step_feeds_entropy_and_tokens_and_skips_padding_rows():
     advantages, returns = trainer._recipe_advantages(data, batch, metrics)
 
     expected_metrics: dict = {}
-    expected, _ = compute_gtpo_advantage(
+    expected, _ = get_adv_estimator_fn("gtpo")(
         token_level_rewards=rewards[:-1],
         response_mask=mask[:-1],
         index=uid[:-1],

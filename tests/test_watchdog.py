@@ -14,8 +14,9 @@ import pytest
 from omegaconf import OmegaConf
 from verl.utils.ray_utils import auto_await
 
+from gtpo.knobs import WatchdogParams
 from gtpo.trainer.guard import watchdog as wd
-from gtpo.trainer.guard.watchdog import EXIT_CODE, StageTimeoutError, StageWatchdog, WatchdogParams
+from gtpo.trainer.guard.watchdog import EXIT_CODE, StageTimeoutError, StageWatchdog
 
 
 def test_a_stage_that_ends_in_time_passes():

@@ -279,9 +279,9 @@ def patched_tq(store: MemoryTQ):
     import verl.trainer.ppo.padding_utils as padding_utils
     import verl.trainer.ppo.v1.trainer_base as trainer_base
 
-    import gtpo.trainer.mixin as trainer_mixin
+    import gtpo.trainer.advantage as advantage
 
-    modules = (padding_utils, trainer_base, trainer_mixin)
+    modules = (padding_utils, trainer_base, advantage)
     saved = [m.tq for m in modules]
     for m in modules:
         m.tq = store
