@@ -216,7 +216,7 @@ def test_step_factor_pads_the_longest_step():
 
 
 class StandInTrainer:
-    """What TrainerStop reads and calls on verl's trainer; ``_save_checkpoint`` as the mixin's (timed, recorded)."""
+    """What TrainerStop reads and calls on verl's trainer; ``_save_checkpoint`` as StopHooks' (timed, recorded)."""
 
     def __init__(self, stop: TrainerStop, total: int, tmp_path, save_freq: int = -1):
         self.config = SimpleNamespace(trainer=SimpleNamespace(default_local_dir=str(tmp_path)))

@@ -556,7 +556,7 @@ def train_and_record(cfg, worker, data, rank: int) -> RankResult:
 
     from gtpo.verl_plugin import forking
 
-    # the recipe's loss replacement, as GTPOTrainerMixin.on_init_end installs it through the worker group
+    # the recipe's loss replacement, as AdvantageHandoff.on_init_end installs it through the worker group
     forking.install(SimpleNamespace(config=cfg, actor_rollout_wg=worker))
     recorder = RecordingLoss(worker.actor.loss_fn)
     worker.actor.set_loss_fn(recorder)

@@ -34,7 +34,7 @@ from tests.support import dp as S
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-METHOD = "gtpo"  # the recipe's estimator with verl's clipped loss, installed as GTPOTrainerMixin.on_init_end does
+METHOD = "gtpo"  # the recipe's estimator with verl's clipped loss, installed as AdvantageHandoff.on_init_end does
 LR = 1e-3
 WEIGHT_DECAY = 0.01
 WARMUP_STEPS = 2
@@ -151,7 +151,7 @@ def _run_phase(job: Phase, rank: int) -> PhaseResult:
     cfg = actor_config(job.model_dir, job.load_contents)
     worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
     worker.init_model()
-    forking.install(SimpleNamespace(config=cfg, actor_rollout_wg=worker))  # as GTPOTrainerMixin.on_init_end does
+    forking.install(SimpleNamespace(config=cfg, actor_rollout_wg=worker))  # as AdvantageHandoff.on_init_end does
     engine = worker.actor.engine
     result = PhaseResult()
     if job.load_step is not None:
