@@ -470,7 +470,11 @@ def test_a_changed_source_file_fails_its_file_pin(tmp_path, monkeypatch):
 
 def test_a_missing_upstream_definition_is_reported_not_raised():
     pin = Pin(
-        "advantage-fields", "gtpo/trainer/advantage.py", "verl.trainer.ppo.v1.trainer_base:PPOTrainer._gone", "0", "verl"
+        "advantage-fields",
+        "gtpo/trainer/advantage.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._gone",
+        "0",
+        "verl",
     )
     (line,) = seam_mismatches([pin])
     assert "cannot be read (AttributeError" in line and "the row `advantage-fields`" in line
