@@ -3,7 +3,7 @@
 A synthetic checkpoint in verl 0.9.1's FSDP2 format (``{model,optim,extra_state}_world_size_<W>_rank_<r>.pt``:
 one DTensor per parameter, ``Shard(0)`` over ``W`` ranks, AdamW's two moments alike, float32) of a transformer-shaped
 model (embedding and LM head of ``vocab x hidden``, per layer q/k/v/o and the MLP's gate/up/down) is written once;
-then each case reshards it (``gtpo.trainer.reshard.reshard_checkpoint(..., out=...)``) in a fresh process that
+then each case reshards it (``gtpo.trainer.resume.reshard.reshard_checkpoint(..., out=...)``) in a fresh process that
 reports its wall time, its resident-memory high-water mark (``VmHWM``) and the highest anonymous resident memory
 sampled every 10 ms (``RssAnon``: what the process allocated, as opposed to the file pages it maps), each above the
 same process's level after its imports. ``MB/s`` is the checkpoint's bytes over the time (each byte is read once and
@@ -39,8 +39,8 @@ def status(key):
     return int(re.search(key + r":\s+(\d+)", text).group(1)) / 1024
 
 import torch
-from gtpo.trainer.reshard import reshard_checkpoint
-import gtpo.trainer.reshard_shards  # noqa: F401
+from gtpo.trainer.resume.reshard import reshard_checkpoint
+import gtpo.trainer.resume.reshard_shards  # noqa: F401
 base_rss, base_anon = status("VmRSS"), status("RssAnon")
 peak = [base_anon]
 done = threading.Event()

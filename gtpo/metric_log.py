@@ -6,7 +6,7 @@ read too. The file is ``$VERL_FILE_LOGGER_PATH`` if set, else
 ``${VERL_FILE_LOGGER_ROOT:-.}/<project>/<experiment>.jsonl``.
 
 This module sits below both its readers and its writer: ``gtpo.viz`` (curves), the CPU demo and
-``gtpo.trainer.metric_history`` (which rewrites the log after a resume) all parse lines here, and it imports
+``gtpo.trainer.observe.metric_history`` (which rewrites the log after a resume) all parse lines here, and it imports
 none of them.
 
 Several lines may share a step: verl logs the validation before training as its own line, and a log written before

@@ -49,12 +49,14 @@ def test_each_mode_resolves_to_its_verl_base_and_reports_its_mode(registered):
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
     from gtpo.trainer.dynamic_sampling import BoundedDapoReplayBuffer
-    from gtpo.trainer.mixin import GTPOTrainerMixin
+    from gtpo.trainer.modes import GTPOTrainerMixin
 
     verl_mode, _, _ = MODES[registered]
     trainer = make_trainer(registered, _preset(registered) + ["method=gtpo"])
     base = _base_class(registered)
-    assert type(trainer).__mro__[1:3] == (GTPOTrainerMixin, base)
+    # the recipe's classes (the mixin and the concerns it is composed of), then verl's mode class
+    recipe = GTPOTrainerMixin.__mro__[:-1]
+    assert type(trainer).__mro__[1 : len(recipe) + 2] == (*recipe, base)
     assert trainer.config.trainer.v1.trainer_mode == registered
     # verl's base class branches on the literal mode: replay buffer class, refill, checkpoints, trainer.v1.<mode>
     assert trainer.trainer_mode == verl_mode
@@ -74,13 +76,18 @@ def test_each_mode_resolves_to_its_verl_base_and_reports_its_mode(registered):
 
 @pytest.mark.parametrize("registered", list(MODES))
 def test_mixin_methods_win_and_the_mode_hooks_stay_verl_s(registered):
-    from gtpo.trainer.mixin import GTPOTrainerMixin
+    from gtpo.trainer.modes import GTPOTrainerMixin
 
     cls = type(make_trainer(registered, _preset(registered)))
     base = _base_class(registered)
-    recipe = [name for name, value in vars(GTPOTrainerMixin).items() if callable(value) or isinstance(value, property)]
-    recipe = [name for name in recipe if not name.startswith("__")]
-    assert {"_compute_advantage", "_log_rollout_data", "_val_metrics_update", "_save_checkpoint"} <= set(recipe)
+    parts = GTPOTrainerMixin.__mro__[:-1]  # the mixin and its concerns, before object
+    recipe = {
+        name
+        for part in parts
+        for name, value in vars(part).items()
+        if (callable(value) or isinstance(value, property)) and not name.startswith("__")
+    }
+    assert {"_compute_advantage", "_log_rollout_data", "_val_metrics_update", "_save_checkpoint"} <= recipe
     for name in recipe:
         assert getattr(cls, name) is getattr(GTPOTrainerMixin, name), name
     # the mode's own hooks (weight sync, abort / resume of partial rollout, old-log-prob versioning) are verl's
@@ -90,11 +97,12 @@ def test_mixin_methods_win_and_the_mode_hooks_stay_verl_s(registered):
     # goes on to the mode's own hook
     for name in ("on_step_begin", "on_step_end", "_validate", "on_train_begin", "on_validate_begin"):
         assert getattr(cls, name) is getattr(GTPOTrainerMixin, name), name
-        assert getattr(super(GTPOTrainerMixin, cls), name) is getattr(base, name), name
+        assert getattr(super(parts[-1], cls), name) is getattr(base, name), name
 
 
 def test_staleness_is_logged_beside_the_estimator_metrics():
-    from gtpo.trainer.mixin import STALENESS_METRICS, GTPOTrainerMixin
+    from gtpo.trainer.modes import GTPOTrainerMixin
+    from gtpo.trainer.observe.hooks import STALENESS_METRICS
 
     class VerlStandIn:
         def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):

@@ -21,8 +21,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from gtpo.launch.driver_checks import check_world_size_before_launch
-from gtpo.trainer import checkpoint_state, checkpoint_world_size, checkpoints
-from gtpo.trainer.checkpoints import TRACKER_FILE, CheckpointLayout, prune_checkpoints, resolve_auto_resume
+from gtpo.trainer.resume import checkpoint_state, checkpoint_world_size, checkpoints
+from gtpo.trainer.resume.checkpoints import TRACKER_FILE, CheckpointLayout, prune_checkpoints, resolve_auto_resume
 from tests.support.checkpoints import make_trainer, save, write_shards
 
 SYNC = CheckpointLayout()
@@ -138,7 +138,7 @@ def test_a_resume_at_another_world_size_is_refused_naming_both_and_the_ways_out(
     from verl.model_merger.base_model_merger import parse_args
 
     reshard_command, merge_command = message.split("`")[1], message.split("`")[3]
-    assert reshard_command == f"python -m gtpo.trainer.reshard --from {folder} --world-size 1"
+    assert reshard_command == f"python -m gtpo.trainer.resume.reshard --from {folder} --world-size 1"
     command = shlex.split(merge_command)
     assert command[:3] == ["python", "-m", "verl.model_merger"]
     monkeypatch.setattr(sys, "argv", ["verl.model_merger", *command[3:]])
@@ -297,7 +297,7 @@ def test_a_removal_cut_short_never_leaves_a_complete_looking_folder(root, monkey
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(checkpoints.shutil, "rmtree", interrupted)
-    with caplog.at_level(logging.WARNING, logger="gtpo.trainer.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="gtpo.trainer.resume.checkpoints"):
         assert prune_checkpoints(str(root), 4, SYNC, max_actor_ckpt_to_keep=1) == []
     assert "could not remove the old checkpoint" in caplog.records[0].getMessage()
     assert checkpoints.incomplete_reasons(str(root / "global_step_2"), 2, SYNC) == ["no gtpo_state.json"]

@@ -1,5 +1,5 @@
 """Every method preset runs in the CPU demo through verl's real trainer, and a reward worker that fails in its
-constructor stops the run at start-up with its own error (gtpo.trainer.startup_checks).
+constructor stops the run at start-up with its own error (gtpo.trainer.guard.startup_checks).
 
 grpo_s runs in the default tier through tests/test_compare.py (the harness's tiny sweep, two steps); here every
 preset runs one step, and the broken reward one start-up, in the slow tier (~2.5 min each on 2 cores):

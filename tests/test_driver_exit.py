@@ -16,10 +16,10 @@ import signal
 import pytest
 from omegaconf import OmegaConf
 
-from gtpo.trainer.preemption import EXIT_CODE as PREEMPTED_EXIT
-from gtpo.trainer.preemption import PreemptedError
-from gtpo.trainer.watchdog import EXIT_CODE as STALLED_EXIT
-from gtpo.trainer.watchdog import StageTimeoutError
+from gtpo.trainer.guard.watchdog import EXIT_CODE as STALLED_EXIT
+from gtpo.trainer.guard.watchdog import StageTimeoutError
+from gtpo.trainer.preemption.stop import EXIT_CODE as PREEMPTED_EXIT
+from gtpo.trainer.preemption.stop import PreemptedError
 
 CONFIG = OmegaConf.create({"algorithm": {}})
 MESSAGE = "gtpo watchdog: stage 'generation' made no progress for 31 s, over its limit x=30"
@@ -88,14 +88,14 @@ def test_the_watchdog_of_a_trainer_actor_ends_the_driver_with_75(ray_session, dr
     ray = ray_session
     from ray.experimental import internal_kv
 
-    from gtpo.trainer.preemption import KV_NAMESPACE, current_job_id
+    from gtpo.trainer.preemption.channel import KV_NAMESPACE, current_job_id
 
     @ray.remote(num_cpus=0, max_restarts=0)
     class Trainer:
         def __init__(self):
             from omegaconf import OmegaConf
 
-            from gtpo.trainer.watchdog import watchdog_of
+            from gtpo.trainer.guard.watchdog import watchdog_of
 
             class Fake:  # what watchdog_of reads of verl's trainer: its config, and no worker to stop
                 config = OmegaConf.create({"algorithm": {"watchdog": {"grace_s": 0.5}}})

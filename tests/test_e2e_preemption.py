@@ -21,8 +21,8 @@ import sys
 
 import pytest
 
-from gtpo.trainer.checkpoints import TRACKER_FILE, CheckpointLayout, incomplete_reasons
-from gtpo.trainer.preemption import EXIT_CODE
+from gtpo.trainer.preemption.stop import EXIT_CODE
+from gtpo.trainer.resume.checkpoints import TRACKER_FILE, CheckpointLayout, incomplete_reasons
 from tests.support.e2e import REPO_ROOT, WORLD_SIZE_2, RunningRecipe, base_overrides, read_metrics, shard_names, tail
 
 # slow tier: the default tier keeps preemption under a real Slurm (tests/test_slurm_preemption.py: the time-limit

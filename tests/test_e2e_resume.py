@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from gtpo.metric_log import read_file_log
-from gtpo.trainer.checkpoints import TRACKER_FILE
+from gtpo.trainer.resume.checkpoints import TRACKER_FILE
 from tests.support.e2e import (
     WORLD_SIZE_2,
     RunningRecipe,

@@ -26,8 +26,8 @@ import time
 
 import pytest
 
-from gtpo.trainer.checkpoints import TRACKER_FILE, CheckpointLayout, incomplete_reasons
-from gtpo.trainer.preemption import EXIT_CODE as PREEMPTED_EXIT
+from gtpo.trainer.preemption.stop import EXIT_CODE as PREEMPTED_EXIT
+from gtpo.trainer.resume.checkpoints import TRACKER_FILE, CheckpointLayout, incomplete_reasons
 from tests.support.e2e import (
     RunningRecipe,
     RunResult,

@@ -76,10 +76,10 @@ def _under(name: str, roots: tuple[str, ...]) -> bool:
 RULES = [
     ("gtpo.viz", ("gtpo.verl_plugin", "gtpo.trainer", "gtpo.launch")),
     ("gtpo.metric_log", ("gtpo.verl_plugin", "gtpo.trainer", "gtpo.launch", "gtpo.viz", "gtpo.cpu", "verl")),
-    # the three rooms: the trainer's runtime reaches neither the adapters verl calls nor the launch tooling
-    ("gtpo.trainer", ("gtpo.verl_plugin", "gtpo.launch")),
-    # the knob reader every room uses sits below all of them
-    ("gtpo.knobs", ("gtpo.verl_plugin", "gtpo.trainer", "gtpo.launch", "gtpo.viz", "gtpo.cpu", "verl")),
+    # the method table sits below everything that reads it
+    ("gtpo.methods", ("gtpo.trainer", "gtpo.launch", "gtpo.verl_plugin")),
+    # the trainer's runtime: never the registration (which imports it) nor the launch tooling
+    ("gtpo.trainer", ("gtpo.verl_plugin.register", "gtpo.launch")),
     ("gtpo.algorithms", ("verl", "ray", "vllm", "omegaconf")),
     ("gtpo.reward", ("gtpo.algorithms",)),
 ]
@@ -93,13 +93,33 @@ def test_no_arrow_runs_back_up(package, forbidden):
     assert {m: a for m, a in arrows.items() if a} == {}
 
 
+def test_the_knob_reader_imports_nothing_of_the_recipe():
+    """``gtpo.knobs`` (one block into its dataclass) is the floor every room stands on."""
+    assert sorted(n for n in reachable("gtpo.knobs") if _under(n, ("gtpo", "verl"))) == []
+
+
+def test_the_trainer_reaches_the_adapters_only_for_the_actor_loss():
+    """Of the adapters verl calls, the trainer imports the actor loss it installs in the workers, and nothing else."""
+    reached = {
+        n for m in MODULES if _under(m, ("gtpo.trainer",)) for n in reachable(m) if _under(n, ("gtpo.verl_plugin",))
+    }
+    assert reached == {"gtpo.verl_plugin", "gtpo.verl_plugin.actor_loss"}
+
+
 def test_the_adapters_reach_neither_the_runtime_nor_the_tooling():
     """What verl calls (estimators, losses) stands alone; only ``register``, the one module above both rooms, reaches
-    the trainer modes (to register them and hand them the actor loss)."""
+    the trainer modes (to register them)."""
     adapters = sorted(m for m in MODULES if _under(m, ("gtpo.verl_plugin",)) and m != "gtpo.verl_plugin.register")
     arrows = {m: sorted(n for n in reachable(m) if _under(n, ("gtpo.trainer", "gtpo.launch"))) for m in adapters}
     assert {m: a for m, a in arrows.items() if a} == {}
     assert "gtpo.trainer.modes" in reachable("gtpo.verl_plugin.register")
+
+
+def test_only_the_registration_imports_the_trainer_modes():
+    """Importing :mod:`gtpo.trainer.modes` registers the trainers into verl: one module does it, the launch checks read
+    the modes' names from :mod:`gtpo.trainer.mode_names`."""
+    importers = {m for m in MODULES if "gtpo.trainer.modes" in _direct_arrows(m)}
+    assert importers == {"gtpo.verl_plugin.register"}
 
 
 def test_only_the_cpu_corner_imports_it():
@@ -112,7 +132,7 @@ def test_only_the_cpu_corner_imports_it():
 
 def test_the_graph_sees_lazy_imports():
     """The reader finds an import inside a function (how the trainer reaches the picture layer)."""
-    assert "gtpo.viz.dump_writer" in reachable("gtpo.trainer.mixin")
+    assert "gtpo.viz.dump_writer" in reachable("gtpo.trainer.observe.hooks")
     assert "matplotlib.figure" in reachable("gtpo.viz.curves")
 
 
@@ -191,12 +211,3 @@ def test_the_circle_check_sees_a_circle(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "MODULES", dict.fromkeys(arrows, PACKAGE))
     monkeypatch.setattr(sys.modules[__name__], "_direct_arrows", arrows.__getitem__)
     assert import_circles() == [["gtpo.a", "gtpo.b", "gtpo.c"]]
-
-
-MAX_LINES = 400
-
-
-def test_no_module_over_400_lines():
-    """Every module of ``gtpo`` fits in one sitting: split by what a reader looks for, not by count."""
-    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
-    assert long == {}

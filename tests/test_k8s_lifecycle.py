@@ -6,7 +6,7 @@ manifest), and how long the finished job keeps its GPUs.
 The hook used to be ``bash -c "pkill -USR1 -f 'm recipe.gtpo.main_gtpo' ..."``: ``pkill -f`` matched the hook's own
 shell (its command line holds the pattern), which died of SIGUSR1 before the driver had saved. Here, on the session's
 Ray cluster, a stand-in driver named as the driver is (``python -m recipe.gtpo.main_gtpo``) polls the stop channel
-the trainer polls (:class:`gtpo.trainer.preemption_hooks.TrainerStop`: the job's key and the cluster key in Ray's
+the trainer polls (:class:`gtpo.trainer.preemption.stop.TrainerStop`: the job's key and the cluster key in Ray's
 key-value store) and announces its save as the trainer does; the hook's request stops it, the hook survives its own
 pattern and returns after the stand-in has exited. Not covered: the trainer's own steps and save (a real trainer
 stopped by the workers' same request: tests/test_e2e_preemption.py), KubeRay and the pod's SIGTERM.
@@ -60,7 +60,7 @@ from pathlib import Path
 import ray
 
 from gtpo.knobs import PreemptionParams
-from gtpo.trainer.preemption_hooks import TrainerStop
+from gtpo.trainer.preemption.stop import TrainerStop
 
 out = Path(sys.argv[-1])
 ray.init(log_to_driver=False)  # RAY_ADDRESS: the session's cluster, as the driver on the head joins its own

@@ -17,14 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 from gtpo.knobs import PreemptionParams, load_knobs, parse_deadline
-from gtpo.trainer.preemption import (
-    EXIT_CODE,
-    DriverRelay,
-    PreemptedError,
-    StopPolicy,
-    resolve_deadline,
-)
-from gtpo.trainer.preemption_hooks import TrainerStop
+from gtpo.trainer.preemption.driver import DriverRelay
+from gtpo.trainer.preemption.stop import EXIT_CODE, PreemptedError, StopPolicy, TrainerStop, resolve_deadline
 
 # --------------------------------------------------------------------------------------------------------- knobs
 
@@ -222,7 +216,7 @@ def test_step_factor_pads_the_longest_step():
 
 
 class StandInTrainer:
-    """What TrainerStop reads and calls on verl's trainer; ``_save_checkpoint`` as the mixin's (timed, recorded)."""
+    """What TrainerStop reads and calls on verl's trainer; ``_save_checkpoint`` as StopHooks' (timed, recorded)."""
 
     def __init__(self, stop: TrainerStop, total: int, tmp_path, save_freq: int = -1):
         self.config = SimpleNamespace(trainer=SimpleNamespace(default_local_dir=str(tmp_path)))

@@ -1,4 +1,5 @@
-"""Resharding verl's FSDP2 checkpoint to another world size (gtpo.trainer.reshard, gtpo.trainer.checkpoint_world_size).
+"""Resharding verl's FSDP2 checkpoint to another world size (gtpo.trainer.resume.reshard,
+gtpo.trainer.resume.checkpoint_world_size).
 
     .venv/bin/python -m pytest -q tests/test_reshard.py
 
@@ -25,10 +26,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from gtpo.trainer import checkpoint_world_size
-from gtpo.trainer.checkpoints import CheckpointLayout, shard_files, shard_name
-from gtpo.trainer.reshard import NEW_SUFFIX, OLD_SUFFIX, finish_interrupted_reshards, reshard_checkpoint
-from gtpo.trainer.reshard_shards import ReshardRefused, reshard_role
+from gtpo.trainer.resume import checkpoint_world_size
+from gtpo.trainer.resume.checkpoints import CheckpointLayout, shard_files, shard_name
+from gtpo.trainer.resume.reshard import NEW_SUFFIX, OLD_SUFFIX, finish_interrupted_reshards, reshard_checkpoint
+from gtpo.trainer.resume.reshard_shards import ReshardRefused, reshard_role
 from tests.support.fsdp_checkpoints import LR, TRAIN_STEPS, WARMUP, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,8 +142,8 @@ def _leaves(value, prefix=""):
 
 _KILLED = """
 import sys, time
-import gtpo.trainer.reshard_shards as shards
-from gtpo.trainer.reshard import reshard_checkpoint
+import gtpo.trainer.resume.reshard_shards as shards
+from gtpo.trainer.resume.reshard import reshard_checkpoint
 
 real, calls = shards.fsync, []
 def fsync_then_hang(path):
@@ -305,7 +306,11 @@ def test_a_rank_whose_rows_are_not_torch_chunks_cut_is_refused(saved_at_2, tmp_p
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "gtpo.trainer.reshard", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "gtpo.trainer.resume.reshard", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

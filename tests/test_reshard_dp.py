@@ -51,8 +51,8 @@ import os
 import pytest
 import torch
 
-from gtpo.trainer.checkpoints import SHARD_KINDS, shard_files, shard_name
-from gtpo.trainer.reshard import NEW_SUFFIX, OLD_SUFFIX, finish_interrupted_reshards, reshard_checkpoint
+from gtpo.trainer.resume.checkpoints import SHARD_KINDS, shard_files, shard_name
+from gtpo.trainer.resume.reshard import NEW_SUFFIX, OLD_SUFFIX, finish_interrupted_reshards, reshard_checkpoint
 from tests.support import dp as S
 from tests.support import reshard_dp as R
 

@@ -18,8 +18,8 @@ import stat
 
 import pytest
 
-from gtpo.trainer import checkpoint_state, checkpoints
-from gtpo.trainer.checkpoints import TRACKER_FILE, CheckpointLayout, resolve_auto_resume
+from gtpo.trainer.resume import checkpoint_state, checkpoints
+from gtpo.trainer.resume.checkpoints import TRACKER_FILE, CheckpointLayout, resolve_auto_resume
 from tests.support.checkpoints import make_trainer, save, write_shards
 
 SYNC = CheckpointLayout()
@@ -56,7 +56,7 @@ def test_a_kill_at_each_instant_of_a_save(root, caplog, upto, tracker_text, expe
     save(root, 2)
     save(root, 4)
     save(root, 6, upto=upto, tracker_text=tracker_text)
-    with caplog.at_level(logging.WARNING, logger="gtpo.trainer.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="gtpo.trainer.resume.checkpoints"):
         folder = resolve_auto_resume(str(root), SYNC)
     assert folder == str(root / f"global_step_{expected_step}")
     assert (root / TRACKER_FILE).read_text() == str(expected_step)
@@ -91,7 +91,7 @@ def test_verl_alone_fails_on_the_empty_tracker_every_time(root):
 def test_an_unreadable_tracker_or_one_naming_a_missing_folder(root, caplog, tracker_text, why):
     save(root, 4)
     (root / TRACKER_FILE).write_text(tracker_text)
-    with caplog.at_level(logging.WARNING, logger="gtpo.trainer.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="gtpo.trainer.resume.checkpoints"):
         assert resolve_auto_resume(str(root), SYNC) == str(root / "global_step_4")
     assert why in caplog.records[0].getMessage()
 
@@ -134,7 +134,7 @@ def test_no_complete_checkpoint_behind_a_tracker_is_refused_naming_the_folder(ro
 def test_without_a_tracker(root, caplog, tmp_path):
     assert resolve_auto_resume(str(tmp_path / "never_created"), SYNC) is None  # a first run
     save(root, 2, upto=2)  # the first save, killed before the tracker: nothing was ever recorded
-    with caplog.at_level(logging.WARNING, logger="gtpo.trainer.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="gtpo.trainer.resume.checkpoints"):
         assert resolve_auto_resume(str(root), SYNC) is None
     assert "training from scratch" in caplog.records[0].getMessage()
     # complete, but the tracker was deleted

@@ -13,8 +13,14 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
+from gtpo.methods import METHODS
 from gtpo.metric_log import read_file_log
-from gtpo.trainer import checkpoint_state, metric_history
+from gtpo.trainer.observe import metric_history
+from gtpo.trainer.resume import checkpoint_state
+from gtpo.verl_plugin.estimators import VerlEstimator
+
+# gtpo_traj's estimator in verl's calling convention, as verl's registry hands it to the trainer
+compute_gtpo_traj_advantage = VerlEstimator(METHODS["gtpo_traj"])
 
 
 def _tracking(project="proj", experiment="exp", backends=("file",)):
@@ -279,7 +285,7 @@ def test_explicit_h_ini_wins_and_missing_state_restores_nothing(tmp_path):
     resumed = checkpoint_state.new_state()
     explicit = OmegaConf.create({"gtpo_traj": {"h_ini": 1.5}})
     assert checkpoint_state.restore_state(str(tmp_path / "global_step_2"), explicit, resumed) == {}
-    assert resumed == {"gtpo_traj": {"h_ini": None}}
+    assert resumed == checkpoint_state.new_state() == {"gtpo_traj": {}}  # nothing measured, nothing restored
     assert checkpoint_state.restore_state(str(tmp_path / "no_such_step"), explicit, resumed) == {}
     (tmp_path / "global_step_2" / checkpoint_state.STATE_FILE).write_text('{"format": 99}')
     with pytest.raises(ValueError, match="format=99"):
@@ -301,25 +307,16 @@ def _traj_kwargs(entropy: float, global_steps: int) -> dict:
     )
 
 
-def _traj_estimator():
-    """gtpo_traj's estimator as verl's trainer calls it."""
-    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
-
-    import gtpo.verl_plugin.register  # noqa: F401  (the recipe's rows in verl's registry)
-
-    return get_adv_estimator_fn("gtpo_traj")
-
-
 def test_restored_h_ini_feeds_the_estimator_on_a_resumed_step(tmp_path):
     """Without the restore, step 5 of a resumed run raises; with it, the gate uses the saved value."""
     kwargs = _traj_kwargs(entropy=2.0, global_steps=5)
     resumed = checkpoint_state.new_state()
     with pytest.raises(ValueError, match="gtpo_state.json"):
-        _traj_estimator()(**kwargs, state=resumed["gtpo_traj"])
+        compute_gtpo_traj_advantage(**kwargs, state=resumed["gtpo_traj"])
     checkpoint_state.save_state(str(tmp_path / "global_step_4"), 4, {"gtpo_traj": {"h_ini": 0.25}})
     checkpoint_state.restore_state(str(tmp_path / "global_step_4"), kwargs["config"], resumed)
     metrics: dict = {}
-    _traj_estimator()(**kwargs, metrics=metrics, state=resumed["gtpo_traj"])
+    compute_gtpo_traj_advantage(**kwargs, metrics=metrics, state=resumed["gtpo_traj"])
     assert metrics["gtpo_traj/h_ini"] == 0.25
     assert metrics["gtpo_traj/filter_on"] == 1.0  # 0.25 <= ln 2: filtering on, every completion (H = 2) dropped
     assert metrics["gtpo_traj/filtered_traj_frac"] == 1.0
@@ -332,10 +329,10 @@ def test_two_trainers_in_one_process_keep_their_own_h_ini(tmp_path):
 
     first, second = (GTPOTrainerSync.__new__(GTPOTrainerSync) for _ in range(2))
     assert first.recipe_state is first.recipe_state and first.recipe_state is not second.recipe_state
-    _traj_estimator()(**_traj_kwargs(0.5, 1), state=first.recipe_state.get("gtpo_traj"))
+    compute_gtpo_traj_advantage(**_traj_kwargs(0.5, 1), state=first.recipe_state.get("gtpo_traj"))
     assert first.recipe_state == {"gtpo_traj": {"h_ini": 0.5}}
-    assert second.recipe_state == {"gtpo_traj": {"h_ini": None}}
-    _traj_estimator()(**_traj_kwargs(1.25, 1), state=second.recipe_state.get("gtpo_traj"))
+    assert second.recipe_state == {"gtpo_traj": {}}  # nothing measured yet
+    compute_gtpo_traj_advantage(**_traj_kwargs(1.25, 1), state=second.recipe_state.get("gtpo_traj"))
     assert (first.recipe_state["gtpo_traj"]["h_ini"], second.recipe_state["gtpo_traj"]["h_ini"]) == (0.5, 1.25)
     # what each one's checkpoint callback writes is its own value
     for name, trainer in (("a", first), ("b", second)):

@@ -50,49 +50,49 @@ class Pin:
 PINS: tuple[Pin, ...] = (
     Pin(
         "advantage-fields",
-        "gtpo/trainer/mixin.py",
+        "gtpo/trainer/advantage.py",
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_advantage",
         "2a4a2aa4a475b228d401959818e0b9019276ce27961c133961de217baa387da7",
         "verl",
     ),
     Pin(
         "advantage-fields",
-        "gtpo/trainer/mixin.py",
+        "gtpo/trainer/advantage.py",
         "verl.trainer.ppo.ray_trainer:compute_advantage",
         "314695381c755264971a8f25865625bad4cf46c35d91901ba2a8f5e1ea980a18",
         "verl",
     ),
     Pin(
         "metric-history-hooks",
-        "gtpo/trainer/mixin.py",
+        "gtpo/trainer/observe/hooks.py",
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit",
         "7d83a81c2e62979ffec22f90dc8f2e44bf98dd59d6b50809c359727090cb4a56",
         "verl",
     ),
     Pin(
         "trainer-mode",
-        "gtpo/trainer/mixin.py",
+        "gtpo/trainer/modes.py",
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer.__init__",
         "6f938d77859b66aeeceb03a39bc9a7b5e7b6f50004aa8b1e2508f6e289fa1b93",
         "verl",
     ),
     Pin(
         "checkpoint-callback",
-        "gtpo/trainer/checkpoint_state.py",
+        "gtpo/trainer/resume/checkpoint_state.py",
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer._save_checkpoint",
         "8c2435b577e54f19ab6012e1eb5f44f01e6c8f4dd6380467914cb6afb9ab9d23",
         "verl",
     ),
     Pin(
         "replay-buffer-poll-interval",
-        "gtpo/trainer/mixin.py",
+        "gtpo/trainer/modes.py",
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer._build_replay_buffer",
         "c6c5bd0783311ea3ed37f2f5054eb1d23533deb76b181643419b2f37897f38be",
         "verl",
     ),
     Pin(
         "replay-buffer-poll-interval",
-        "gtpo/trainer/mixin.py",
+        "gtpo/trainer/modes.py",
         "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer._wait_for_next_poll",
         "10088bf03da693830d23be51540b04ad3e21e34566f70cbe8863f2867873f8cd",
         "verl",
@@ -113,49 +113,49 @@ PINS: tuple[Pin, ...] = (
     ),
     Pin(
         "generation-watchdog",
-        "gtpo/trainer/watchdog.py",
+        "gtpo/trainer/guard/watchdog.py",
         "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.sample",
         "cdcecebeb7f0b44e9726b62e208fb6821023591d8b91b0a9ad56750a96363e43",
         "verl",
     ),
     Pin(
         "generation-watchdog",
-        "gtpo/trainer/watchdog.py",
+        "gtpo/trainer/guard/watchdog.py",
         "verl.trainer.ppo.v1.replay_buffer:ReplayBufferAsync.wait_for_sampleable",
         "5590a1b06f671763968213e1353f5bd93a64a342b620762f9ec9b2ecc8e5db56",
         "verl",
     ),
     Pin(
         "generation-watchdog",
-        "gtpo/trainer/watchdog.py",
+        "gtpo/trainer/guard/watchdog.py",
         "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer._wait_for_next_poll",
         "10088bf03da693830d23be51540b04ad3e21e34566f70cbe8863f2867873f8cd",
         "verl",
     ),
     Pin(
         "weight-sync-watchdog",
-        "gtpo/trainer/watchdog.py",
+        "gtpo/trainer/guard/watchdog.py",
         "verl.checkpoint_engine.base:CheckpointEngineManager.update_weights",
         "7dc90230efef777a647bfc35fc21c7bddababcf35b4b870ef57655e1f42bad3e",
         "verl",
     ),
     Pin(
         "weight-sync-watchdog",
-        "gtpo/trainer/watchdog.py",
+        "gtpo/trainer/guard/watchdog.py",
         "verl.checkpoint_engine.base:CheckpointEngineManager.abort_replicas",
         "a341709f9d13d40e3c62bc6e205c7f5ced4d649b41a377a7695a6f27168be537",
         "verl",
     ),
     Pin(
         "weight-sync-watchdog",
-        "gtpo/trainer/watchdog.py",
+        "gtpo/trainer/guard/watchdog.py",
         "verl.checkpoint_engine.base:CheckpointEngineManager.resume_generation_replicas",
         "008e184cafed047bdf35148b4cf0529b27e4545ea236b19a807974c8d9fd77ce",
         "verl",
     ),
     Pin(
         "weight-sync-watchdog",
-        "gtpo/trainer/watchdog.py",
+        "gtpo/trainer/guard/watchdog.py",
         "verl.checkpoint_engine.base:CheckpointEngineManager.sleep_replicas",
         "099d9a169a0435c8b82ec56641646103a341919d2fd8845d0f1444a51bc4b9a5",
         "verl",
@@ -184,14 +184,14 @@ PINS: tuple[Pin, ...] = (
     ),
     Pin(
         "stop-channel-kv",
-        "gtpo/trainer/preemption.py",
+        "gtpo/trainer/preemption/channel.py",
         "ray.experimental.internal_kv:_internal_kv_put",
         "d0f1b78e913d33b1a088c24588e1182486e6a186b2142993cefc7ef4e0c26ddb",
         "ray",
     ),
     Pin(
         "stop-channel-kv",
-        "gtpo/trainer/preemption.py",
+        "gtpo/trainer/preemption/channel.py",
         "ray.experimental.internal_kv:_internal_kv_get",
         "9c7cfe58a50b109dc6e366512dd44a6d6637b0dd520340a5c471ad61fbf11b09",
         "ray",
@@ -277,56 +277,56 @@ PINS: tuple[Pin, ...] = (
     ),
     Pin(
         "fsdp-checkpoint-format",
-        "gtpo/trainer/reshard_shards.py",
+        "gtpo/trainer/resume/reshard_shards.py",
         "verl.utils.checkpoint.fsdp_checkpoint_manager:FSDPCheckpointManager.save_checkpoint",
         "408622f180370088c26babd5479719cf237856b9feacb24dbfab1534a85b632b",
         "verl",
     ),
     Pin(
         "fsdp-checkpoint-format",
-        "gtpo/trainer/reshard_shards.py",
+        "gtpo/trainer/resume/reshard_shards.py",
         "verl.utils.checkpoint.fsdp_checkpoint_manager:FSDPCheckpointManager.load_checkpoint",
         "6f75218097c563a09e9ec3cbbe4c998b49aad8de5b8bf764871f8e1b0d6546b3",
         "verl",
     ),
     Pin(
         "fsdp-checkpoint-format",
-        "gtpo/trainer/reshard_shards.py",
+        "gtpo/trainer/resume/reshard_shards.py",
         "verl.utils.checkpoint.checkpoint_manager:BaseCheckpointManager.get_rng_state",
         "12b1256e262f83147c84c92dea0f89f2249910769aea94d0b2166138dc00f432",
         "verl",
     ),
     Pin(
         "fsdp-checkpoint-format",
-        "gtpo/trainer/reshard_shards.py",
+        "gtpo/trainer/resume/reshard_shards.py",
         "verl.utils.checkpoint.checkpoint_manager:BaseCheckpointManager.load_rng_state",
         "591c6206c197eeee6f48f4bffd21c4f4c909e9d9b88d9bc02c857ba11dc59d97",
         "verl",
     ),
     Pin(
         "torch-dtensor-files",
-        "gtpo/trainer/reshard_shards.py",
+        "gtpo/trainer/resume/reshard_shards.py",
         "torch.distributed.device_mesh:DeviceMesh.__init__",
         "a74b152eb3010d58bea745cb53179c3a38e6f6e8a054f85f3b9cc330131e5bd7",
         "torch",
     ),
     Pin(
         "torch-dtensor-files",
-        "gtpo/trainer/reshard_shards.py",
+        "gtpo/trainer/resume/reshard_shards.py",
         "torch.distributed.device_mesh:DeviceMesh.__setstate__",
         "a01bfa51995fd36e94a723584470f97850c3f9ce3c46a8818b265e5d5cb9a689",
         "torch",
     ),
     Pin(
         "torch-dtensor-files",
-        "gtpo/trainer/reshard_shards.py",
+        "gtpo/trainer/resume/reshard_shards.py",
         "torch.distributed.device_mesh:DeviceMesh.__eq__",
         "eb578c8a9ac804332e1962ac28fd301a01587a1c8d8653007809c9fc63156008",
         "torch",
     ),
     Pin(
         "torch-dtensor-files",
-        "gtpo/trainer/reshard_shards.py",
+        "gtpo/trainer/resume/reshard_shards.py",
         "torch.serialization:skip_data",
         "060219be25875ffe936f5a34a2c633abf98bb0697ac750ce002bc1bf7ddabcc9",
         "torch",
@@ -446,7 +446,7 @@ def test_a_planted_change_names_its_seam_file_and_row(monkeypatch):
     assert lines[0].startswith(
         "seam 'advantage-fields': verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_advantage"
     )
-    assert "re-read gtpo/trainer/mixin.py and the row `advantage-fields` of the Seams table" in lines[0]
+    assert "re-read gtpo/trainer/advantage.py and the row `advantage-fields` of the Seams table" in lines[0]
 
 
 def test_a_changed_source_file_fails_its_file_pin(tmp_path, monkeypatch):
@@ -470,7 +470,11 @@ def test_a_changed_source_file_fails_its_file_pin(tmp_path, monkeypatch):
 
 def test_a_missing_upstream_definition_is_reported_not_raised():
     pin = Pin(
-        "advantage-fields", "gtpo/trainer/mixin.py", "verl.trainer.ppo.v1.trainer_base:PPOTrainer._gone", "0", "verl"
+        "advantage-fields",
+        "gtpo/trainer/advantage.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._gone",
+        "0",
+        "verl",
     )
     (line,) = seam_mismatches([pin])
     assert "cannot be read (AttributeError" in line and "the row `advantage-fields`" in line

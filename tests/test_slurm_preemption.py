@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from gtpo.trainer.checkpoints import TRACKER_FILE
+from gtpo.trainer.resume.checkpoints import TRACKER_FILE
 from tests.support.e2e import read_metrics
 from tests.support.slurm import LocalSlurm, missing_tools
 

@@ -1,4 +1,4 @@
-"""Start-up checks of the recipe's trainer (gtpo.trainer.startup_checks): a reward worker whose constructor
+"""Start-up checks of the recipe's trainer (gtpo.trainer.guard.startup_checks): a reward worker whose constructor
 raises stops the run with that error. Real Ray actors on the session's cluster; the full trainer case is in
 tests/test_demo_presets.py."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from gtpo.trainer.startup_checks import RewardWorkerStartupError, check_reward_workers
+from gtpo.trainer.guard.startup_checks import RewardWorkerStartupError, check_reward_workers
 
 
 def _trainer(workers):

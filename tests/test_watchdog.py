@@ -1,4 +1,4 @@
-"""The stage watchdog (gtpo.trainer.watchdog) without Ray: deadlines, progress, the expiry path, the hooks.
+"""The stage watchdog (gtpo.trainer.guard.watchdog) without Ray: deadlines, progress, the expiry path, the hooks.
 
 The end-to-end check, a real weight sync broken on purpose, is in tests/test_e2e_vllm.py.
 """
@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 from verl.utils.ray_utils import auto_await
 
 from gtpo.knobs import WatchdogParams
-from gtpo.trainer import watchdog as wd
-from gtpo.trainer.watchdog import EXIT_CODE, StageTimeoutError, StageWatchdog
+from gtpo.trainer.guard import watchdog as wd
+from gtpo.trainer.guard.watchdog import EXIT_CODE, StageTimeoutError, StageWatchdog
 
 
 def test_a_stage_that_ends_in_time_passes():
@@ -114,7 +114,7 @@ def test_bad_knobs_fail_at_startup_naming_the_key(values, message):
 def test_recipe_defaults_parse():
     from gtpo.launch.validation import load_all_knobs
 
-    cfg = OmegaConf.load(wd.__file__.replace("gtpo/trainer/watchdog.py", "recipe/gtpo/config/gtpo_trainer.yaml"))
+    cfg = OmegaConf.load(wd.__file__.replace("gtpo/trainer/guard/watchdog.py", "recipe/gtpo/config/gtpo_trainer.yaml"))
     assert load_all_knobs(cfg.algorithm)["watchdog"] == WatchdogParams(1800, 1800, 60)
 
 

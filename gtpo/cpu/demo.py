@@ -50,7 +50,7 @@ Deliberate choices:
   reward manager, the forking-token selection and GROP stay the preset's; every method runs the recipe's defaults
   (no per-method setting in ``METHOD_SETTINGS``).
 * A reward worker that fails in its constructor (a reward function that does not load, a reward manager that
-  rejects its config) stops the run at start-up with its own error (:mod:`gtpo.trainer.startup_checks`).
+  rejects its config) stops the run at start-up with its own error (:mod:`gtpo.trainer.guard.startup_checks`).
 * The reward never raises on odd responses (empty, special tokens only): they simply score 0.
 * The token heatmap shows the step whose batch reward is closest to 0.5 (``--heatmap-step`` picks another): late in
   a run every group is all-correct and GRPO's advantages are all 0.
@@ -123,7 +123,7 @@ from gtpo.cpu.demo_trainer import (
     trainer_command,
     trainer_env,
 )
-from gtpo.trainer.watchdog import find_expiry
+from gtpo.trainer.guard.watchdog import find_expiry
 
 __all__ = [
     "CHAT_TEMPLATE",

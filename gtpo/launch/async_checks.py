@@ -47,7 +47,7 @@ VERL_MODES = ("sync", "colocate_async", "separate_async")
 
 def verl_mode(trainer_mode: str) -> str | None:
     """The verl mode behind ``trainer.v1.trainer_mode`` (``gtpo_colocate_async`` -> ``colocate_async``), or None."""
-    from gtpo.trainer.modes import TRAINER_MODES
+    from gtpo.trainer.mode_names import TRAINER_MODES
 
     if trainer_mode in TRAINER_MODES:
         return TRAINER_MODES[trainer_mode]
@@ -70,7 +70,7 @@ def _is_missing(config: DictConfig, key: str) -> bool:
 def check_recipe_needs(config: DictConfig, estimator: str, forking_enable: bool, forking_scope: str) -> None:
     """The recipe's estimators and the forking loss need a recipe mode and the old-log-prob pass."""
     from gtpo.methods import recipe_estimator
-    from gtpo.trainer.modes import TRAINER_MODES
+    from gtpo.trainer.mode_names import TRAINER_MODES
 
     mode = str(config.trainer.v1.trainer_mode)
     modes = ", ".join(TRAINER_MODES)

@@ -8,7 +8,7 @@ the GPU workers: no error, a very slow run. The preflight runs it too.
 :func:`check_world_size_before_launch` finds the checkpoint a resume would load, refuses it when others could have
 planted files in it, and reshards it when it was saved at another world size (or refuses, as
 ``algorithm.resume.other_world_size`` says); the trainer does the same once more before its workers load
-(:func:`gtpo.trainer.checkpoint_world_size.match_resume_world_size`), for a folder the driver does not see.
+(:func:`gtpo.trainer.resume.checkpoint_world_size.match_resume_world_size`), for a folder the driver does not see.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from gtpo.private_files import check_private_dir
-from gtpo.trainer.checkpoint_world_size import match_resume_world_size
-from gtpo.trainer.checkpoints import CheckpointLayout, incomplete_reasons, newest_complete, read_tracker
-from gtpo.trainer.reshard import finish_interrupted_reshards
+from gtpo.trainer.resume.checkpoint_world_size import match_resume_world_size
+from gtpo.trainer.resume.checkpoints import CheckpointLayout, incomplete_reasons, newest_complete, read_tracker
+from gtpo.trainer.resume.reshard import finish_interrupted_reshards
 
 __all__ = ["CPU_BACKEND_PACKAGE", "check_cpu_backend", "check_world_size_before_launch"]
 
@@ -77,10 +77,10 @@ def _refuse_unless_private(folder: str, what: str, inside: bool) -> None:
 
 
 def check_world_size_before_launch(config: Any, layout: CheckpointLayout) -> str | None:
-    """The driver's early :func:`~gtpo.trainer.checkpoint_world_size.match_resume_world_size`, before Ray starts
+    """The driver's early :func:`~gtpo.trainer.resume.checkpoint_world_size.match_resume_world_size`, before Ray starts
     or a GPU is allocated, on the folder a resume would load (``resume_path``: the named one; ``auto``: the
     tracker's when complete, else the newest complete one, complete as ``layout`` says,
-    :func:`gtpo.trainer.checkpoints.layout_of`; the tracker is not rewritten; a reshard killed half-way is undone
+    :func:`gtpo.trainer.resume.checkpoints.layout_of`; the tracker is not rewritten; a reshard killed half-way is undone
     first). Returns the folder checked; None when there is nothing to check here (no resume, or the checkpoint
     folder is not visible from the driver: the trainer checks again before loading).
 
@@ -91,7 +91,7 @@ def check_world_size_before_launch(config: Any, layout: CheckpointLayout) -> str
 
     Raises:
         RuntimeError: a folder others could plant files in, named with its owner or mode; or as
-            :func:`gtpo.trainer.checkpoint_world_size.match_resume_world_size`.
+            :func:`gtpo.trainer.resume.checkpoint_world_size.match_resume_world_size`.
     """
     trainer_cfg = config.trainer
     mode = str(trainer_cfg.get("resume_mode", "disable"))

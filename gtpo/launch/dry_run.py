@@ -155,13 +155,13 @@ def _checkpoint_engine_line(cfg: DictConfig) -> str:
 def _resume_line(cfg: DictConfig, use_critic: bool) -> str | None:
     """What ``trainer.resume_mode=resume_path`` loads. A validation-only run (scripts/eval_checkpoint.sh) evaluates
     that checkpoint, so it must be here and complete as the resume defines it
-    (:func:`gtpo.trainer.checkpoints.incomplete_reasons`); a training resume is only reported (this machine may not
-    see the cluster's folder, and the trainer loads an incomplete one as asked, with a warning)."""
+    (:func:`gtpo.trainer.resume.checkpoints.incomplete_reasons`); a training resume is only reported (this machine
+    may not see the cluster's folder, and the trainer loads an incomplete one as asked, with a warning)."""
     trainer = cfg.trainer
     if str(trainer.get("resume_mode")) != "resume_path" or not trainer.get("resume_from_path"):
         return None
     from gtpo.launch.async_checks import verl_mode
-    from gtpo.trainer.checkpoints import incomplete_reasons, layout_of
+    from gtpo.trainer.resume.checkpoints import incomplete_reasons, layout_of
 
     folder = os.path.abspath(str(trainer.resume_from_path))
     step = re.fullmatch(r"global_step_(\d+)", os.path.basename(folder))

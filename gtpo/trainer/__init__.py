@@ -1,11 +1,11 @@
 """The trainer's runtime: what runs inside verl's step loop and around it in the driver.
 
-``modes`` combines the recipe's behaviour (``mixin``) with verl 0.9.1's three v1 trainers; the rest is what a long
-run needs from that loop: ``checkpoints`` / ``checkpoint_state`` / ``checkpoint_world_size`` (resume),
-``metric_history`` (the trackers across a resume), ``preemption`` / ``preemption_hooks`` (save and exit on a
-scheduler's warning), ``watchdog`` (a stalled stage fails the run), ``dynamic_sampling`` and ``group_sizes`` (the
-batch the estimators see) and ``startup_checks`` (what must hold in the workers before step 1). It imports neither
-the adapters verl calls (:mod:`gtpo.verl_plugin`; :mod:`gtpo.verl_plugin.register` hands the trainer modes their
-actor loss) nor the checks and tools of a launch, which never run in a trainer (:mod:`gtpo.launch`); the knob blocks
-it reads come from :mod:`gtpo.knobs`.
+``modes`` registers the recipe's three trainers, each verl v1 trainer with the recipe's behaviour composed from one
+class per concern: the advantage hand-off (``advantage``: what a method needs from the batch, the actor loss, with
+``group_sizes``), ``resume/`` (checkpoints, the recipe's state, resharding), ``preemption/`` (save and exit on a
+scheduler's warning), ``guard/`` (stage deadlines, start-up checks), ``observe/`` (dumps, validation columns, the
+trackers across a resume), and the replay buffer's settings (``dynamic_sampling``: DAPO's round limit).
+``mode_names`` lists the modes without importing the trainers. The room reads the method table and the knobs
+(:mod:`gtpo.methods`, :mod:`gtpo.knobs`) and the actor loss (:mod:`gtpo.verl_plugin.actor_loss`); it never imports
+the registration (:mod:`gtpo.verl_plugin.register`, which imports ``modes``) or the launch tooling (:mod:`gtpo.launch`).
 """

@@ -1,4 +1,5 @@
-"""The recipe's three trainer modes: :class:`~gtpo.trainer.mixin.GTPOTrainerMixin` on each v1 trainer.
+"""The recipe's three trainer modes: verl 0.9.1's three v1 trainers, each with the recipe's behaviour put first
+(:class:`GTPOTrainerMixin`, composed here from one class per concern).
 
 * ``gtpo_sync`` on ``PPOTrainerSync``: generate, then train; weights synced every step.
 * ``gtpo_colocate_async`` on ``PPOTrainerColocateAsync``: partial rollout on the training GPUs. Generation runs
@@ -11,6 +12,10 @@
 Each class reports its base class's mode (``trainer_mode``), so verl's mode-dependent branches (replay buffer
 class, dataloader refill, checkpointing of in-flight prompts, the ``trainer.v1.<mode>`` block) behave exactly as for
 the unmodified trainer. ``configs/trainer/{sync,colocate_async,separate_async}.yaml`` select them (``trainer=...``).
+
+Under asynchrony the rollout engine returns no entropy, and a response may span policy versions: the estimators use
+the entropy recomputed by verl's old-log-prob pass, of the policy about to be updated (pi_old, one version for the
+whole response; under ``separate_async`` the version saved at the start of the ``parameter_sync_step`` cycle).
 
 One verl 0.9.1 defect is worked around here: ``PPOTrainerSeparateAsync._setup`` logs the ``hybrid_engine=false`` case
 (the recipe's separate_async preset: no colocated replicas) with ``logger.info(..., flush=True)``
@@ -30,18 +35,74 @@ from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from gtpo.trainer.mixin import GTPOTrainerMixin
+from gtpo.trainer.advantage import AdvantageHandoff
+from gtpo.trainer.dynamic_sampling import bound_generation_rounds
+from gtpo.trainer.guard.hooks import GuardHooks
+from gtpo.trainer.mode_names import TRAINER_MODES
+from gtpo.trainer.observe.hooks import ObserveHooks
+from gtpo.trainer.preemption.hooks import StopHooks
+from gtpo.trainer.resume.hooks import ResumeHooks
 
 __all__ = [
-    "TRAINER_MODE",
-    "TRAINER_MODES",
     "GTPOTrainerColocateAsync",
+    "GTPOTrainerMixin",
     "GTPOTrainerSeparateAsync",
     "GTPOTrainerSync",
+    "ReplayBufferSettings",
 ]
 
-# The default mode (recipe/gtpo/config/gtpo_trainer.yaml).
-TRAINER_MODE = "gtpo_sync"
+
+class ReplayBufferSettings:
+    """verl's replay buffer with the recipe's sampler settings. Overrides ``_build_replay_buffer``:
+
+    * ``trainer.v1.sampler.sampler_kwargs.poll_interval``: verl's ``ReplayBuffer`` polls TransferQueue every 2 s with
+      no config key (it stores ``sampler_kwargs`` but does not read this one), so a step whose generation takes less
+      (the CPU backend, small debug runs) would wait for nothing (seam ``replay-buffer-poll-interval``);
+    * DAPO's ``algorithm.filter_groups.max_num_gen_batches`` round limit, which verl 0.9.1 ignores (sync only,
+      :mod:`gtpo.trainer.dynamic_sampling`).
+    """
+
+    def _build_replay_buffer(self):
+        buffer = super()._build_replay_buffer()
+        poll_interval = self.config.trainer.v1.sampler.get("sampler_kwargs", {}).get("poll_interval", None)
+        if poll_interval is not None:
+            if not float(poll_interval) > 0:
+                raise ValueError(f"trainer.v1.sampler.sampler_kwargs.poll_interval={poll_interval!r}: must be > 0 s")
+            buffer.poll_interval = float(poll_interval)
+        return bound_generation_rounds(buffer, self.config.algorithm)
+
+
+class GTPOTrainerMixin(AdvantageHandoff, ObserveHooks, StopHooks, GuardHooks, ResumeHooks, ReplayBufferSettings):
+    """The recipe's behaviour, put before one of verl's v1 trainers in the bases; subclasses set the two class
+    attributes below. One class per concern, each naming the verl members it overrides:
+
+    * :class:`~gtpo.trainer.advantage.AdvantageHandoff`: the estimators' inputs, the actor loss;
+    * :class:`~gtpo.trainer.observe.hooks.ObserveHooks`: dumps, validation columns, staleness, the trackers' history;
+    * :class:`~gtpo.trainer.preemption.hooks.StopHooks`: save and stop on a stop request or before the job's end;
+    * :class:`~gtpo.trainer.guard.hooks.GuardHooks`: stage deadlines and the start-up check;
+    * :class:`~gtpo.trainer.resume.hooks.ResumeHooks`: checkpoints, resume, the recipe's state;
+    * :class:`ReplayBufferSettings`: the poll interval and DAPO's round limit.
+
+    The order matters where two of them override one member: the stop times the whole save (``_save_checkpoint``),
+    and the generation watchdog wraps the buffer the settings built (``_build_replay_buffer``).
+
+    Itself it overrides ``trainer_mode`` (seam ``trainer-mode``): verl stores the registered name there, and its base
+    class branches on the literal mode.
+    """
+
+    # The name the class is registered under (trainer.v1.trainer_mode), e.g. "gtpo_colocate_async".
+    REGISTERED_MODE: str = ""
+    # The mode verl's base class branches on: "sync", "colocate_async" or "separate_async".
+    VERL_MODE: str = ""
+
+    @property
+    def trainer_mode(self) -> str:
+        return self.VERL_MODE
+
+    @trainer_mode.setter
+    def trainer_mode(self, value: str) -> None:
+        if value != self.REGISTERED_MODE:
+            raise ValueError(f"trainer.v1.trainer_mode={value!r} selects another trainer than {self.REGISTERED_MODE}")
 
 
 @register_trainer("gtpo_sync")
@@ -49,7 +110,7 @@ class GTPOTrainerSync(GTPOTrainerMixin, PPOTrainerSync):
     """verl's sync trainer with the recipe's behaviour."""
 
     REGISTERED_MODE = "gtpo_sync"
-    VERL_MODE = "sync"
+    VERL_MODE = TRAINER_MODES[REGISTERED_MODE]
 
 
 @register_trainer("gtpo_colocate_async")
@@ -57,7 +118,7 @@ class GTPOTrainerColocateAsync(GTPOTrainerMixin, PPOTrainerColocateAsync):
     """verl's colocated asynchronous trainer (partial rollout) with the recipe's behaviour."""
 
     REGISTERED_MODE = "gtpo_colocate_async"
-    VERL_MODE = "colocate_async"
+    VERL_MODE = TRAINER_MODES[REGISTERED_MODE]
 
 
 class FlushDroppingAdapter(logging.LoggerAdapter):
@@ -85,15 +146,9 @@ class GTPOTrainerSeparateAsync(GTPOTrainerMixin, PPOTrainerSeparateAsync):
     """verl's separate asynchronous trainer (standalone rollout pool) with the recipe's behaviour."""
 
     REGISTERED_MODE = "gtpo_separate_async"
-    VERL_MODE = "separate_async"
+    VERL_MODE = TRAINER_MODES[REGISTERED_MODE]
 
     def _setup(self):
         # verl's _setup passes flush=True to logger.info when hybrid_engine=false (see the module docstring)
         with logger_ignoring_flush(trainer_separate_async):
             super()._setup()
-
-
-# Registered name -> the verl mode its base class expects.
-TRAINER_MODES: dict[str, str] = {
-    cls.REGISTERED_MODE: cls.VERL_MODE for cls in (GTPOTrainerSync, GTPOTrainerColocateAsync, GTPOTrainerSeparateAsync)
-}

@@ -28,12 +28,12 @@ from verl.trainer.ppo.core_algos import (
 )
 
 from gtpo import methods
-from gtpo.trainer import modes
+from gtpo.trainer import mode_names, modes  # noqa: F401 - importing modes registers the trainer modes into verl
 from gtpo.verl_plugin.estimators import VerlEstimator, verl_policy_loss
 
 __all__ = ["ESTIMATORS", "TRAINER_MODES", "register_method"]
 
-TRAINER_MODES = tuple(modes.TRAINER_MODES)
+TRAINER_MODES = tuple(mode_names.TRAINER_MODES)
 
 
 def register_method(method: methods.Method) -> methods.Method:

@@ -27,10 +27,12 @@ from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
 from gtpo.methods import knob
-from gtpo.trainer.preemption import EXIT_CODE as PREEMPTED_EXIT
-from gtpo.trainer.preemption import DriverRelay, PreemptedError, recorded_stall
-from gtpo.trainer.watchdog import EXIT_CODE as STALLED_EXIT
-from gtpo.trainer.watchdog import StageTimeoutError
+from gtpo.trainer.guard.watchdog import EXIT_CODE as STALLED_EXIT
+from gtpo.trainer.guard.watchdog import StageTimeoutError
+from gtpo.trainer.preemption.channel import recorded_stall
+from gtpo.trainer.preemption.driver import DriverRelay
+from gtpo.trainer.preemption.stop import EXIT_CODE as PREEMPTED_EXIT
+from gtpo.trainer.preemption.stop import PreemptedError
 from gtpo.verl_plugin.config import merge_module_list
 
 PLUGIN_MODULE = "gtpo.verl_plugin.register"
@@ -134,7 +136,7 @@ def prepare_config(config: DictConfig, dry_run: bool = False) -> None:
     from gtpo.launch.driver_checks import check_cpu_backend, check_world_size_before_launch
     from gtpo.launch.ray_auth import check_ray_auth
     from gtpo.launch.validation import validate_recipe_config
-    from gtpo.trainer.checkpoints import layout_of
+    from gtpo.trainer.resume.checkpoints import layout_of
 
     auto_set_device(config)
     check_cpu_backend(config)
@@ -259,7 +261,7 @@ def _exiting(code: int, why: str) -> int:
 
 def _recorded_stall() -> str | None:
     """The stage watchdog's record for this driver's Ray job, or None (also when the cluster cannot tell)."""
-    from gtpo.trainer.preemption import current_job_id
+    from gtpo.trainer.preemption.channel import current_job_id
 
     try:
         return recorded_stall(current_job_id())

@@ -3,15 +3,15 @@ checkpoint methods look.
 
 verl's save writes, in this order: ``actor/`` (every rank's ``model_/optim_/extra_state_world_size_<W>_rank_<r>.pt``),
 ``critic/``, ``data.pt``, ``transfer_queue/``, the tracker, then the recipe's ``gtpo_state.json``
-(gtpo/trainer/checkpoints.py reads them back).
+(gtpo/trainer/resume/checkpoints.py reads them back).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from gtpo.trainer import checkpoint_state, checkpoints
-from gtpo.trainer.checkpoints import SHARD_KINDS, TRACKER_FILE
+from gtpo.trainer.resume import checkpoint_state, checkpoints
+from gtpo.trainer.resume.checkpoints import SHARD_KINDS, TRACKER_FILE
 
 # verl's save, step by step; a kill after step i leaves SAVE_STEPS[:i] done.
 SAVE_STEPS = ("actor", "data", "tracker", "state")
@@ -46,8 +46,8 @@ def save(root, step, upto=None, tracker_text=None, world_size=1, critic=False, a
 
 
 def complete_checkpoint(folder: Path, step: int, world_size: int = 8) -> Path:
-    """A checkpoint folder as the recipe's resume calls complete (gtpo/trainer/checkpoints.py): every rank's shards
-    in actor/, data.pt and gtpo_state.json of its step."""
+    """A checkpoint folder as the recipe's resume calls complete (gtpo/trainer/resume/checkpoints.py): every rank's
+    shards in actor/, data.pt and gtpo_state.json of its step."""
     (folder / "actor").mkdir(parents=True)
     for kind in ("model", "optim", "extra_state"):
         for rank in range(world_size):

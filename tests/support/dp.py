@@ -280,9 +280,9 @@ def patched_tq(store: MemoryTQ):
     import verl.trainer.ppo.padding_utils as padding_utils
     import verl.trainer.ppo.v1.trainer_base as trainer_base
 
-    import gtpo.trainer.mixin as trainer_mixin
+    import gtpo.trainer.advantage as advantage
 
-    modules = (padding_utils, trainer_base, trainer_mixin)
+    modules = (padding_utils, trainer_base, advantage)
     saved = [m.tq for m in modules]
     for m in modules:
         m.tq = store
@@ -557,7 +557,7 @@ def train_and_record(cfg, worker, data, rank: int) -> RankResult:
 
     from gtpo.verl_plugin import actor_loss
 
-    # the recipe's loss replacement, as GTPOTrainerMixin.on_init_end installs it through the worker group
+    # the recipe's loss replacement, as AdvantageHandoff.on_init_end installs it through the worker group
     actor_loss.install(SimpleNamespace(config=cfg, actor_rollout_wg=worker))
     recorder = RecordingLoss(worker.actor.loss_fn)
     worker.actor.set_loss_fn(recorder)

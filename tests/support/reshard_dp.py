@@ -11,9 +11,9 @@ Rank 0 reports the driver's reduction of each update's metrics, the full weights
 training state (weights, both AdamW moments, the optimizer's step, the scheduler's position) after a load and at a
 save.
 
-:func:`killed_reshard` runs ``gtpo.trainer.reshard.reshard_checkpoint`` in a child process that ``SIGKILL``s itself
-at a chosen instant: after its first new file, between the two renames of the swap, or after the swap before the
-original is removed.
+:func:`killed_reshard` runs ``gtpo.trainer.resume.reshard.reshard_checkpoint`` in a child process that ``SIGKILL``s
+itself at a chosen instant: after its first new file, between the two renames of the swap, or after the swap before
+the original is removed.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from tests.support import dp as S
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-METHOD = "gtpo"  # the recipe's estimator with verl's clipped loss, installed as GTPOTrainerMixin.on_init_end does
+METHOD = "gtpo"  # the recipe's estimator with verl's clipped loss, installed as AdvantageHandoff.on_init_end does
 LR = 1e-3
 WEIGHT_DECAY = 0.01
 WARMUP_STEPS = 2
@@ -151,7 +151,7 @@ def _run_phase(job: Phase, rank: int) -> PhaseResult:
     cfg = actor_config(job.model_dir, job.load_contents)
     worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
     worker.init_model()
-    forking.install(SimpleNamespace(config=cfg, actor_rollout_wg=worker))  # as GTPOTrainerMixin.on_init_end does
+    forking.install(SimpleNamespace(config=cfg, actor_rollout_wg=worker))  # as AdvantageHandoff.on_init_end does
     engine = worker.actor.engine
     result = PhaseResult()
     if job.load_step is not None:
@@ -203,8 +203,8 @@ def run_phase(job: Phase, folder: Path, timeout: float = 600) -> PhaseResult:
 
 _KILLED = """
 import os, shutil, signal, sys
-import gtpo.trainer.reshard as reshard
-import gtpo.trainer.reshard_shards as shards
+import gtpo.trainer.resume.reshard as reshard
+import gtpo.trainer.resume.reshard_shards as shards
 
 folder, world_size, at = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 real_fsync, real_replace, real_rmtree = shards.fsync, os.replace, shutil.rmtree

@@ -2,24 +2,18 @@
 
 verl's checkpoint (``global_step_<N>/``: ``actor/``, ``data.pt`` with the dataloader state, the tracker
 ``latest_checkpointed_iteration.txt``) holds the weights, the optimiser and the data order. The recipe adds one
-file per checkpoint, ``global_step_<N>/gtpo_state.json``, for the state its estimators keep across steps. That
-state belongs to the trainer (``GTPOTrainerMixin.recipe_state``, one block per estimator, built by
-:func:`new_state`), which hands each estimator its block; two trainers in one process share nothing:
+file per checkpoint, ``global_step_<N>/gtpo_state.json``, for what its estimators keep across steps: one block per
+``stateful`` row of :data:`gtpo.methods.METHODS`, named by its estimator (:func:`new_state`), holding values the
+estimator measured for knobs of its block left null. Today that is ``gtpo_traj.h_ini``, the ``<H>_ini`` that
+``gtpo_traj``'s ini gate (``variant=paper``) measures on the first batch. The state belongs to the trainer
+(:class:`gtpo.trainer.resume.hooks.ResumeHooks`), which lends each estimator its block; two trainers in one process
+share nothing. Nothing else persists across steps: DAPO's round counter is reset at every ``sample()``, the forking
+parameters are read from the config, and the reward cache holds pure results.
 
-- ``gtpo_traj.h_ini``: the ``<H>_ini`` that ``gtpo_traj``'s ini gate (``variant=paper``) measured on the first
-  batch (written by :func:`gtpo.algorithms.gtpo_traj.gtpo_traj_advantages` into the block it is given); null if
-  nothing was measured. On resume it is restored unless ``algorithm.gtpo_traj.h_ini`` is set, which always wins.
-
-Nothing else persists across steps: DAPO's generation-round counter (``dynamic_sampling.BoundedDapoReplayBuffer``)
-is reset at every ``sample()`` call, the forking-token parameters are read from the config, and the reward cache
-holds pure results.
-
-The file is the last one a save writes: :class:`StateAfterSave` writes it from verl's checkpoint callback, which
-``_save_checkpoint`` calls once the actor, the critic, ``data.pt`` (and ``transfer_queue/``) are written and the
-tracker updated; the trainer removes a stale copy before each save starts. Its presence therefore marks a checkpoint
-that was written whole (``gtpo.trainer.checkpoints``, which also checks that every rank's shards are still
-there). It is written to a temporary name and renamed, so it is never half-written; removing an old checkpoint
-starts with it.
+The file is the last one a save writes (:class:`StateAfterSave`, from verl's checkpoint callback, once the actor, the
+critic, ``data.pt`` and ``transfer_queue/`` are written and the tracker updated; a stale copy is removed before each
+save starts), so its presence marks a checkpoint written whole (:mod:`gtpo.trainer.resume.checkpoints`). It is
+written to a temporary name and renamed, never half-written; removing an old checkpoint starts with it.
 """
 
 from __future__ import annotations
@@ -28,6 +22,8 @@ import json
 import logging
 import os
 from typing import Any
+
+from gtpo.methods import METHODS
 
 __all__ = [
     "STATE_FILE",
@@ -46,8 +42,9 @@ logger = logging.getLogger(__name__)
 
 
 def new_state() -> dict[str, dict[str, Any]]:
-    """A trainer's cross-step state before anything is measured: one block per estimator that keeps any."""
-    return {"gtpo_traj": {"h_ini": None}}
+    """A trainer's cross-step state before anything is measured: an empty block per stateful method, named by its
+    estimator (the ``state=`` the advantage hand-off passes it)."""
+    return {row.adv_estimator: {} for row in METHODS.values() if row.stateful}
 
 
 def save_state(folder: str, global_steps: int, state: dict[str, dict[str, Any]]) -> str:
@@ -115,11 +112,13 @@ class StateAfterSave:
 
 
 def restore_state(folder: str, algorithm_config: Any, state: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Restore the state saved in ``folder`` into a trainer's ``state`` (in place); returns what was restored.
+    """Restore the state saved in ``folder`` into a trainer's ``state`` (in place); returns what was restored, as
+    ``{"<block>.<key>": value}``.
 
-    A checkpoint without the file (written by an older recipe) restores nothing; a ``gtpo_traj`` run with the ini
-    gate then stops at its first step and asks for ``algorithm.gtpo_traj.h_ini``. An explicit
-    ``algorithm.gtpo_traj.h_ini`` is never overwritten.
+    A measured value is restored unless the config sets the knob of that name in the method's block
+    (``algorithm.gtpo_traj.h_ini``), which always wins. A checkpoint without the file (written by an older recipe)
+    restores nothing; a ``gtpo_traj`` run with the ini gate then stops at its first step and asks for
+    ``algorithm.gtpo_traj.h_ini``.
     """
     path = os.path.join(folder, STATE_FILE)
     if not os.path.exists(path):
@@ -129,10 +128,13 @@ def restore_state(folder: str, algorithm_config: Any, state: dict[str, dict[str,
     if isinstance(payload, str):
         raise ValueError(f"{path}: {payload}")
     restored: dict[str, Any] = {}
-    h_ini = (payload.get("gtpo_traj") or {}).get("h_ini")
-    traj_node = algorithm_config.get("gtpo_traj", None) if algorithm_config is not None else None
-    explicit = traj_node.get("h_ini", None) if traj_node is not None else None
-    if h_ini is not None and explicit is None:
-        state.setdefault("gtpo_traj", {})["h_ini"] = float(h_ini)
-        restored["gtpo_traj.h_ini"] = float(h_ini)
+    for row in METHODS.values():
+        if not row.stateful:
+            continue
+        node = algorithm_config.get(row.knobs, None) if algorithm_config is not None and row.knobs else None
+        for key, value in (payload.get(row.adv_estimator) or {}).items():
+            explicit = node.get(key, None) if node is not None else None
+            if value is not None and explicit is None:
+                state.setdefault(row.adv_estimator, {})[key] = value
+                restored[f"{row.adv_estimator}.{key}"] = value
     return restored

@@ -1,43 +1,13 @@
-"""Reshard a verl 0.9.1 FSDP2 checkpoint to another world size, one tensor at a time.
+"""Reshard a verl 0.9.1 FSDP2 checkpoint folder to another world size, in place and recoverably, or into a copy.
 
-verl's FSDP checkpoint manager (``verl/utils/checkpoint/fsdp_checkpoint_manager.py``) has every rank ``torch.save``
-three files into ``actor/`` (and ``critic/``): ``model_world_size_<W>_rank_<r>.pt`` (``model.state_dict()``: one
-DTensor per parameter, ``Shard(0)`` on a one-dimensional mesh of the ``W`` ranks, the rank's rows as its local
-tensor), ``optim_world_size_<W>_rank_<r>.pt`` (``optimizer.state_dict()``: AdamW's ``exp_avg`` / ``exp_avg_sq``
-sharded alike, ``step`` and the parameter groups the same on every rank) and ``extra_state_world_size_<W>_rank_<r>.pt``
-(the learning-rate scheduler, the same on every rank, and the rank's RNG states). FSDP2 cuts dimension 0 as
-``torch.chunk`` does: rank ``i`` holds rows ``[i·c, min((i+1)·c, n))`` with ``c = ceil(n / W)`` (empty past the end).
+    python -m gtpo.trainer.resume.reshard --from <run>/global_step_<N> --world-size 16 [--out <folder>]
 
-:func:`reshard_role` writes the same state for ``W'`` ranks:
-
-* every DTensor is cut again for ``W'`` ranks: the rows of new rank ``j`` are copied from the old ranks' local
-  tensors that hold them; the global shape, dtype and placement stay, the mesh becomes one of ``W'`` ranks (its
-  device type and dimension name kept);
-* everything else (``step``, parameter groups, the scheduler) must be the same in all ``W`` files and is written
-  once per new rank; a difference is refused, naming the entry;
-* RNG: new rank ``j < W`` keeps old rank ``j``'s states (CPU, NumPy, Python, the accelerator's); a rank ``j >= W``
-  (more ranks than before) starts its CPU, NumPy and Python generators from a fresh seed of ``(step, j)`` and keeps
-  its accelerator generator as a fresh worker seeds it (verl restores the accelerator's state only when the file
-  holds one). Training reads no random numbers on the actor ranks of the recipe's presets (no dropout).
-
-**Memory.** Nothing is held whole. The ``W`` old files are opened with ``torch.load(mmap=True)`` (their tensors are
-views of the files, paged in as rows are read and dropped by the kernel under pressure). Each new file is first
-written as a skeleton (``torch.serialization.skip_data``: its layout with the tensor bytes left empty, from
-``torch.empty`` locals that are never touched), then opened with ``mmap=True`` and ``MAP_SHARED``, and each tensor's
-rows are copied from the old mapped rows into the new mapped rows, one tensor at a time. The process allocates no
-tensor memory of its own: its anonymous memory stays at the interpreter and the files' small pickled parts whatever
-the model's size; the page cache holds what the kernel keeps of the files being read and written. ``time`` is one
-read and one write of the checkpoint (``benchmarks/bench_reshard.py``).
-
-**Format.** Only what the module understands is resharded: FSDP2 DTensors on a one-dimensional mesh with
-``Shard(0)``. Anything else (FSDP1's ``ShardedTensor``, an HSDP two-dimensional mesh, a tensor whose local rows do
-not match ``torch.chunk``'s cut, a rank file missing) raises :class:`ReshardRefused` naming the file and the entry.
-
-    python -m gtpo.trainer.reshard --from <run>/global_step_<N> --world-size 16 [--out <folder>]
-
-rewrites ``global_step_<N>`` in place (:func:`reshard_checkpoint`: a copy beside each role folder, then two
-renames; a run killed at any instant leaves the original loadable), or writes a resharded copy of the whole
-checkpoint folder to ``--out``.
+:func:`reshard_checkpoint` rewrites each role folder (``actor/``, ``critic/``) of ``global_step_<N>`` with
+:func:`gtpo.trainer.resume.reshard_shards.reshard_role` (the file format, the RNG of new ranks and the memory bound
+are described there) into ``<role>.reshard`` beside it, then swaps it in with two renames, so a run killed at any
+instant leaves the original loadable (:func:`finish_interrupted_reshards`, run by every resume, puts it back);
+``--out`` writes a resharded copy of the whole checkpoint folder instead. The resume calls it when a checkpoint's
+world size differs from the run's (:mod:`gtpo.trainer.resume.checkpoint_world_size`).
 """
 
 from __future__ import annotations
@@ -48,8 +18,8 @@ import re
 import shutil
 import sys
 
-from gtpo.trainer.checkpoints import ROLE_DIRS
-from gtpo.trainer.reshard_shards import ReshardRefused, fsync, reshard_role, world_size_of
+from gtpo.trainer.resume.checkpoints import ROLE_DIRS
+from gtpo.trainer.resume.reshard_shards import ReshardRefused, fsync, reshard_role, world_size_of
 
 __all__ = [
     "ReshardRefused",
@@ -140,7 +110,7 @@ def reshard_checkpoint(folder: str, world_size_to: int, out: str | None = None) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m gtpo.trainer.reshard",
+        prog="python -m gtpo.trainer.resume.reshard",
         description="Reshard a verl FSDP2 checkpoint folder (global_step_<N>) to another world size.",
     )
     parser.add_argument("--from", dest="folder", required=True, help="the checkpoint folder, global_step_<N>")

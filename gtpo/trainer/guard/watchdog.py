@@ -28,7 +28,8 @@ exits with :data:`EXIT_CODE`, so no stall outlives its limit by more than ``grac
 The driver (``recipe/gtpo/main_gtpo.py``) exits with :data:`EXIT_CODE` too: Ray hands it the trainer's
 :class:`StageTimeoutError` (an instance of it, wrapped with the remote traceback), or, after the trainer process
 exited, only a dead actor; for that case the expiry is also left in Ray's key-value store under the job's id
-(:func:`gtpo.trainer.preemption.record_stall`, read back with :func:`gtpo.trainer.preemption.recorded_stall`).
+(:func:`gtpo.trainer.preemption.channel.record_stall`, read back with
+:func:`gtpo.trainer.preemption.channel.recorded_stall`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from gtpo.knobs import WatchdogParams
 from gtpo.methods import knob
 
 __all__ = ["EXIT_CODE", "StageTimeoutError", "StageWatchdog", "find_expiry"]
@@ -229,15 +229,6 @@ STANDALONE_WEIGHT_SYNC_CALLS = ("update_weights",)
 GENERATION_COUNTS = ("pending_keys", "running_keys", "finished_keys", "failure_keys", "partitions")
 
 
-def params_of(trainer) -> WatchdogParams:
-    """The trainer's ``algorithm.watchdog`` block, parsed once."""
-    params = trainer.__dict__.get("_gtpo_watchdog_params")
-    if params is None:
-        params = knob(trainer.config.algorithm, "watchdog")
-        trainer.__dict__["_gtpo_watchdog_params"] = params
-    return params
-
-
 def watchdog_of(trainer) -> StageWatchdog:
     """The trainer's one :class:`StageWatchdog`, created on first use; on expiry it records the stall for the driver
     and stops the trainer's workers."""
@@ -245,12 +236,12 @@ def watchdog_of(trainer) -> StageWatchdog:
     if watchdog is None:
 
         def on_expire(message: str) -> None:
-            from gtpo.trainer.preemption import record_stall
+            from gtpo.trainer.preemption.channel import record_stall
 
             record_stall(message)
             stop_workers(trainer)
 
-        watchdog = StageWatchdog(on_expire=on_expire, grace_s=params_of(trainer).grace_s)
+        watchdog = StageWatchdog(on_expire=on_expire, grace_s=knob(trainer.config.algorithm, "watchdog").grace_s)
         trainer.__dict__["_gtpo_watchdog"] = watchdog
     return watchdog
 
@@ -289,18 +280,18 @@ def stop_workers(trainer) -> int:
 def _in_stage(call: Callable, watchdog: StageWatchdog, name: str, limit: float, detail: str) -> Callable:
     """``call`` run as stage ``name``. Called from a coroutine (as verl's ``auto_await`` tells them apart), it returns
     a coroutine that awaits ``call`` inside the stage; called from plain code it runs ``call`` there."""
-    knob = f"{KNOB}.weight_sync_s"
+    limit_knob = f"{KNOB}.weight_sync_s"
 
     def watched(*args, **kwargs):
         if sys._getframe(1).f_code.co_flags & inspect.CO_COROUTINE:
 
             async def awaited():
-                with watchdog.stage(name, limit, knob, lambda: detail):
+                with watchdog.stage(name, limit, limit_knob, lambda: detail):
                     result = call(*args, **kwargs)
                     return await result if inspect.isawaitable(result) else result
 
             return awaited()
-        with watchdog.stage(name, limit, knob, lambda: detail):
+        with watchdog.stage(name, limit, limit_knob, lambda: detail):
             return call(*args, **kwargs)
 
     return watched
@@ -309,7 +300,7 @@ def _in_stage(call: Callable, watchdog: StageWatchdog, name: str, limit: float, 
 def watch_weight_sync(trainer) -> None:
     """Give each weight-sync call of ``trainer.checkpoint_manager``, and ``update_weights`` of separate_async's
     ``trainer.standalone_checkpoint_manager``, the ``weight_sync_s`` deadline (idempotent)."""
-    limit = params_of(trainer).weight_sync_s
+    limit = knob(trainer.config.algorithm, "watchdog").weight_sync_s
     if limit <= 0:
         return
     watchdog = watchdog_of(trainer)
@@ -335,7 +326,7 @@ def watch_weight_sync(trainer) -> None:
 
 def watch_generation(buffer, trainer):
     """Give the replay buffer's sampling the ``generation_s`` no-progress deadline; returns ``buffer``."""
-    limit = params_of(trainer).generation_s
+    limit = knob(trainer.config.algorithm, "watchdog").generation_s
     if limit <= 0 or getattr(buffer, "_gtpo_watched", False):
         return buffer
     watchdog = watchdog_of(trainer)

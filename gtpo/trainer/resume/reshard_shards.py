@@ -1,8 +1,38 @@
-"""The shard files of one role folder of a verl 0.9.1 FSDP2 checkpoint, cut again for another world size.
+"""The shard files of one role folder of a verl 0.9.1 FSDP2 checkpoint, cut again for another world size
+(:func:`reshard_role`; :mod:`gtpo.trainer.resume.reshard` puts the result in place).
 
-:func:`reshard_role` reads the ``W`` ranks' ``model_`` / ``optim_`` / ``extra_state_world_size_<W>_rank_<r>.pt``
-memory-mapped and writes the ``W'`` new ranks' files one tensor at a time; :mod:`gtpo.trainer.reshard` describes the
-format, the RNG of new ranks and the memory bound, and puts the result in place.
+verl's FSDP checkpoint manager (``verl/utils/checkpoint/fsdp_checkpoint_manager.py``) has every rank ``torch.save``
+three files into ``actor/`` (and ``critic/``): ``model_world_size_<W>_rank_<r>.pt`` (``model.state_dict()``: one
+DTensor per parameter, ``Shard(0)`` on a one-dimensional mesh of the ``W`` ranks, the rank's rows as its local
+tensor), ``optim_world_size_<W>_rank_<r>.pt`` (``optimizer.state_dict()``: AdamW's ``exp_avg`` / ``exp_avg_sq``
+sharded alike, ``step`` and the parameter groups the same on every rank) and ``extra_state_world_size_<W>_rank_<r>.pt``
+(the learning-rate scheduler, the same on every rank, and the rank's RNG states). FSDP2 cuts dimension 0 as
+``torch.chunk`` does: rank ``i`` holds rows ``[i·c, min((i+1)·c, n))`` with ``c = ceil(n / W)`` (empty past the end).
+
+Resharding writes the same state for ``W'`` ranks:
+
+* every DTensor is cut again for ``W'`` ranks: the rows of new rank ``j`` are copied from the old ranks' local
+  tensors that hold them; the global shape, dtype and placement stay, the mesh becomes one of ``W'`` ranks (its
+  device type and dimension name kept);
+* everything else (``step``, parameter groups, the scheduler) must be the same in all ``W`` files and is written
+  once per new rank; a difference is refused, naming the entry;
+* RNG: new rank ``j < W`` keeps old rank ``j``'s states (CPU, NumPy, Python, the accelerator's); a rank ``j >= W``
+  (more ranks than before) starts its CPU, NumPy and Python generators from a fresh seed of ``(step, j)`` and keeps
+  its accelerator generator as a fresh worker seeds it (verl restores the accelerator's state only when the file
+  holds one). Training reads no random numbers on the actor ranks of the recipe's presets (no dropout).
+
+**Memory.** Nothing is held whole. The ``W`` old files are opened with ``torch.load(mmap=True)`` (their tensors are
+views of the files, paged in as rows are read and dropped by the kernel under pressure). Each new file is first
+written as a skeleton (``torch.serialization.skip_data``: its layout with the tensor bytes left empty, from
+``torch.empty`` locals that are never touched), then opened with ``mmap=True`` and ``MAP_SHARED``, and each tensor's
+rows are copied from the old mapped rows into the new mapped rows, one tensor at a time. The process allocates no
+tensor memory of its own: its anonymous memory stays at the interpreter and the files' small pickled parts whatever
+the model's size; the page cache holds what the kernel keeps of the files being read and written. ``time`` is one
+read and one write of the checkpoint (``benchmarks/bench_reshard.py``).
+
+**Format.** Only what the module understands is resharded: FSDP2 DTensors on a one-dimensional mesh with
+``Shard(0)``. Anything else (FSDP1's ``ShardedTensor``, an HSDP two-dimensional mesh, a tensor whose local rows do
+not match ``torch.chunk``'s cut, a rank file missing) raises :class:`ReshardRefused` naming the file and the entry.
 """
 
 from __future__ import annotations
@@ -18,7 +48,7 @@ import shutil
 import sys
 from typing import Any
 
-from gtpo.trainer.checkpoints import SHARD_KINDS, role_world_size, shard_files, shard_name
+from gtpo.trainer.resume.checkpoints import SHARD_KINDS, role_world_size, shard_files, shard_name
 
 __all__ = ["FSDP_CONFIG", "ReshardRefused", "fsync", "reshard_role", "shard_names_of", "world_size_of"]
 
@@ -30,7 +60,7 @@ class ReshardRefused(RuntimeError):
 
 
 def world_size_of(directory: str) -> int | None:
-    """:func:`gtpo.trainer.checkpoints.role_world_size`, a mix of sizes refused as what cannot be resharded."""
+    """:func:`gtpo.trainer.resume.checkpoints.role_world_size`, a mix of sizes refused as what cannot be resharded."""
     try:
         return role_world_size(directory)
     except ValueError as err:

@@ -9,7 +9,7 @@ trainer before its workers load) leaves a checkpoint of the run's size alone and
 * ``reshard`` (the default): first refuses what cannot be resharded, naming why (:func:`reshard_problems`: a critic
   the run has and the checkpoint lacks, a LoRA checkpoint for a full run or the reverse, another model than the
   run's ``model.path`` by its ``config.json``, an HSDP run); then rewrites each role's shards for the run's ranks in
-  place (:func:`gtpo.trainer.reshard.reshard_checkpoint`, which also refuses a format it does not know);
+  place (:func:`gtpo.trainer.resume.reshard.reshard_checkpoint`, which also refuses a format it does not know);
 * ``refuse``: :func:`check_resume_world_size` raises, naming both sizes, the folder and the ways out (resume with
   ``W`` GPUs, reshard offline, or merge the weights with verl's model merger and start a new run from them).
 
@@ -24,7 +24,7 @@ import os
 from typing import Any
 
 from gtpo.methods import knob
-from gtpo.trainer.checkpoints import ROLE_DIRS, CheckpointLayout, role_world_size, shard_files, shard_name
+from gtpo.trainer.resume.checkpoints import ROLE_DIRS, CheckpointLayout, role_world_size, shard_files, shard_name
 
 __all__ = [
     "check_resume_world_size",
@@ -91,8 +91,8 @@ def check_resume_world_size(folder: str, nnodes: int, n_gpus_per_node: int) -> N
         f"Either resume on {saved} GPUs "
         f"(trainer.nnodes x trainer.n_gpus_per_node = {saved}, e.g. trainer.nnodes={nodes} "
         f"trainer.n_gpus_per_node={per_node}), or reshard it (algorithm.resume.other_world_size=reshard, or "
-        f"`python -m gtpo.trainer.reshard --from {folder} --world-size {run}`), or merge its weights into a Hugging "
-        "Face model, "
+        f"`python -m gtpo.trainer.resume.reshard --from {folder} --world-size {run}`), or merge its weights into a "
+        "Hugging Face model, "
         f"`python -m verl.model_merger merge --backend fsdp --local_dir {actor} --target_dir {merged}`, and start a "
         f"new run from them with actor_rollout_ref.model.path={merged} and another trainer.default_local_dir (the "
         "optimizer state, the data order and the step count then start afresh)."
@@ -192,7 +192,7 @@ def match_resume_world_size(folder: str, config: Any, layout: CheckpointLayout) 
     Raises:
         RuntimeError: refused, naming why and the ways out.
     """
-    from gtpo.trainer.reshard import ReshardRefused, finish_interrupted_reshards, reshard_checkpoint
+    from gtpo.trainer.resume.reshard import ReshardRefused, finish_interrupted_reshards, reshard_checkpoint
 
     folder = os.path.abspath(folder)
     finish_interrupted_reshards(folder)

@@ -5,7 +5,7 @@ verl 0.9.1's ``_save_checkpoint`` (``verl/trainer/ppo/v1/trainer_base.py``) writ
 workers' shards and ``huggingface/``), ``critic/`` when there is a critic, ``data.pt`` (the dataloader),
 ``transfer_queue/`` in the asynchronous modes, then the tracker ``latest_checkpointed_iteration.txt`` *in place*
 (``open(path, "w")`` then ``write``), then the checkpoint callback, where the recipe writes
-``gtpo_state.json`` (:mod:`gtpo.trainer.checkpoint_state`). On resume verl's ``find_latest_ckpt_path`` reads the
+``gtpo_state.json`` (:mod:`gtpo.trainer.resume.checkpoint_state`). On resume verl's ``find_latest_ckpt_path`` reads the
 tracker with ``int(...)``: a kill between verl's ``open`` and ``write`` leaves an empty tracker, and every later
 start fails with ``ValueError: invalid literal for int()``. The tracker write is verl's own (the recipe would have
 to copy ``_save_checkpoint`` to replace it); what the recipe owns is the resume.
@@ -35,7 +35,7 @@ A folder whose ``actor/`` verl's ``max_actor_ckpt_to_keep`` removed is not compl
   since starting over would silently discard a run that did checkpoint.
 
 **World size.** A checkpoint saved by ``W`` ranks cannot be loaded by another number:
-:mod:`gtpo.trainer.checkpoint_world_size` refuses such a resume before any worker loads.
+:mod:`gtpo.trainer.resume.checkpoint_world_size` refuses such a resume before any worker loads.
 
 **Retention.** verl's ``max_actor_ckpt_to_keep`` counts only the saves of the running process: after a resume the
 earlier checkpoints are never deleted, and nothing deletes ``transfer_queue/`` (the asynchronous modes' stored
@@ -60,7 +60,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Any
 
-from gtpo.trainer.checkpoint_state import STATE_FILE, discard_state, read_state
+from gtpo.trainer.resume.checkpoint_state import STATE_FILE, discard_state, read_state
 
 __all__ = [
     "ROLE_DIRS",
