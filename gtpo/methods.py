@@ -36,6 +36,7 @@ __all__ = [
     "RESPONSES",
     "Method",
     "add",
+    "entropy_available",
     "fields_needed",
     "knob",
     "method_named",
@@ -204,6 +205,13 @@ def knob(algorithm: Any, block: str) -> Any:
     if isinstance(node, (DictConfig, ListConfig)):
         node = OmegaConf.to_container(node, resolve=True)
     return load_knobs(KNOBS[block], node, f"algorithm.{block}")
+
+
+def entropy_available(algorithm: Any) -> bool:
+    """Whether verl computes the old policy's entropy for this config: its old-log-prob pass runs, unless rollout
+    correction's ``bypass_mode`` skips it (then no method that needs :data:`ENTROPY` can run)."""
+    rollout_correction = algorithm.get("rollout_correction", None) if algorithm is not None else None
+    return not (rollout_correction and rollout_correction.get("bypass_mode", False))
 
 
 def fields_needed(algorithm: Any) -> tuple[str, ...]:

@@ -171,6 +171,13 @@ def test_verl_unmodified_async_trainer_drops_the_entropy(monkeypatch):
     seen.clear()
     recipe = make_trainer("gtpo_colocate_async", ["trainer=colocate_async", "method=gtpo"])
     compute_advantages(recipe, monkeypatch, rows, meta)
+    # what gtpo's row needs, and only that: the token ids only under conflict_mask
+    assert len(seen) == 1 and seen[0]["entropy"] is not None and seen[0]["responses"] is None
+    seen.clear()
+    recipe = make_trainer(
+        "gtpo_colocate_async", ["trainer=colocate_async", "method=gtpo", "algorithm.gtpo.conflict_mask=true"]
+    )
+    compute_advantages(recipe, monkeypatch, rows, meta)
     assert len(seen) == 1 and seen[0]["entropy"] is not None and seen[0]["responses"] is not None
 
 

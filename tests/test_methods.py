@@ -162,7 +162,7 @@ else:
 try:
     fn(tlr, mask, index, OmegaConf.create({}))
 except ValueError as err:
-    assert "needs entropy=" in str(err), err
+    assert "needs entropy, got entropy=None" in str(err), err
 else:
     raise AssertionError("a call without entropy was accepted")
 print("ok")

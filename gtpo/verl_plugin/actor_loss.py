@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from gtpo.algorithms.token_selection import FRACTION_KEY, THRESHOLD_KEY, ForkingParams, top_entropy_mask
-from gtpo.methods import knob
+from gtpo.methods import ENTROPY, FIELDS, knob
 
 __all__ = ["EXTREMA_METRICS", "ExtremaPPOLoss", "ForkingPPOLoss", "install", "tag_extrema"]
 
@@ -113,12 +113,13 @@ class ForkingPPOLoss:
         else:
             tau_b = tu.get_non_tensor_data(data=data, key=THRESHOLD_KEY, default=None)
             frac_b = tu.get_non_tensor_data(data=data, key=FRACTION_KEY, default=None)
-            if tau_b is None or frac_b is None or "entropy" not in data.keys():
+            old_entropy = FIELDS[ENTROPY]  # the old policy's entropy, a field of the batch the workers get
+            if tau_b is None or frac_b is None or old_entropy not in data.keys():
                 raise ValueError(
                     "algorithm.forking.scope=batch needs the driver hook: batch.extra_info from "
                     "gtpo.algorithms.token_selection.batch_threshold_extra_info and the old-policy entropy in the batch"
                 )
-            entropy = _nested_to_padded(data["entropy"], width).detach()
+            entropy = _nested_to_padded(data[old_entropy], width).detach()
             selected, tau = top_entropy_mask(entropy, valid, self.params.rho, threshold=float(tau_b))
 
         n_valid = int(valid.sum())

@@ -59,7 +59,7 @@ class VerlEstimator:
         for need in (*method.needs, *getattr(params, "needs", ())):
             if given[need] is None:
                 raise ValueError(
-                    f"adv_estimator={name} needs {need}=, which the recipe's trainers hand over "
+                    f"adv_estimator={name} needs {need}, got {need}=None: the recipe's trainers hand it over "
                     "(trainer.v1.trainer_mode=gtpo_sync, gtpo_colocate_async or gtpo_separate_async); "
                     "algorithm.rollout_correction.bypass_mode computes no entropy"
                 )

@@ -216,6 +216,7 @@ def records_from_batch(
     step: int,
     keys: Sequence[str] | None = None,
     max_groups: int | None = 8,
+    entropy_field: str = "entropy",
 ) -> list[dict]:
     """Token-dump records from the fields the v1 trainer keeps in TransferQueue (verl 0.9.1).
 
@@ -229,6 +230,7 @@ def records_from_batch(
         step: training step.
         keys: ``batch.keys`` (``<uid>_<session>_<index>``), stored per record.
         max_groups: dump only the first ``max_groups`` prompt groups (``None``: all).
+        entropy_field: the field of ``data`` holding the per-token entropy the records show.
 
     Returns:
         Records as :func:`token_records` builds them. With nested ``responses`` the token count of each row is
@@ -286,7 +288,7 @@ def records_from_batch(
         response_mask=np.asarray(to_numpy(mask, "response_mask"))[rows],
         tokenizer=tokenizer,
         advantages=take("advantages"),
-        entropy=take("entropy"),
+        entropy=take(entropy_field),
         scores=take("rm_scores"),
         acc=acc,
         prompts=prompts,

@@ -7,7 +7,7 @@ import os
 from transfer_queue import KVBatchMeta
 from verl.utils.debug import marked_timer
 
-from gtpo.methods import recipe_estimator
+from gtpo.methods import ENTROPY, FIELDS, entropy_available, fields_needed, recipe_estimator
 from gtpo.trainer.advantage import fetch_with_needs
 from gtpo.trainer.observe.metric_history import MetricHistory
 
@@ -67,8 +67,8 @@ class ObserveHooks:
             )
 
     def _log_rollout_data(self, batch: KVBatchMeta, timing_raw: dict, rollout_data_dir: str):
-        """verl's text dump ``<step>.jsonl``, plus ``tokens_<step>.jsonl``: per-token advantages, and what the method
-        needs from the batch (the old-policy entropy for the recipe's estimators and the forking loss's batch scope).
+        """verl's text dump ``<step>.jsonl``, plus ``tokens_<step>.jsonl``: per-token advantages and, whenever verl's
+        old-log-prob pass computed it, the old policy's entropy (every method's heatmap shows it).
 
         Read by ``python -m gtpo.viz tokens``; a few groups per step, so it costs milliseconds. With ``tensorboard``
         or ``wandb`` in ``trainer.logger``, the step's heatmap also goes to the tracker (:mod:`gtpo.viz.tracker`).
@@ -77,12 +77,15 @@ class ObserveHooks:
         from gtpo.viz.tracker import log_token_heatmap, wants_heatmap
 
         super()._log_rollout_data(batch, timing_raw, rollout_data_dir)
+        algorithm = self.config.algorithm
         with marked_timer("dump_token_records", timing_raw, color="green"):
             keys = [k for k, tag in zip(batch.keys, batch.tags) if not tag.get("is_padding", False)]
-            data = fetch_with_needs(batch, self.config.algorithm, DUMP_FIELDS, keys=keys)
+            shown = (*fields_needed(algorithm), *((ENTROPY,) if entropy_available(algorithm) else ()))
+            data = fetch_with_needs(batch, algorithm, DUMP_FIELDS, needs=shown, keys=keys)
             records = records_from_batch(
-                data, tokenizer=self.tokenizer, step=self.global_steps, keys=keys, max_groups=8
-            )
+                data, tokenizer=self.tokenizer, step=self.global_steps, keys=keys, max_groups=8,
+                entropy_field=FIELDS[ENTROPY],
+            )  # fmt: skip
             write_token_dump(records, os.path.join(rollout_data_dir, f"tokens_{self.global_steps}.jsonl"))
         if wants_heatmap(self.logger):
             with marked_timer("log_token_heatmap", timing_raw, color="green"):
