@@ -2,33 +2,37 @@
 
 Run by :func:`gtpo.launch.validation.validate_recipe_config` (the entry point, real and ``DRY_RUN=1`` launches,
 before Ray starts); verl 0.9.1 checks these only inside the workers, minutes after launch. The rules, as verl applies
-them with its FSDP engines (the recipe's presets; Megatron's parallel sizes are not modelled here):
+them with its FSDP engines (the recipe's presets; Megatron's parallel sizes are not modelled here), restated from the
+verl definitions the row ``batch-arithmetic`` of the Seams table in ``docs/architecture.md`` names and
+``tests/test_seams.py`` pins:
 
-* Data-parallel ranks: an FSDP engine has ``world / Ulysses size`` of them (``get_data_parallel_size``,
-  ``verl/workers/engine/fsdp/transformer_impl.py:651-652``), the world being ``nnodes × n_gpus_per_node``. The
-  Ulysses size of a role is its ``ulysses_sequence_parallel_size`` when > 1, else its
-  ``fsdp_config.ulysses_sequence_parallel_size`` (``verl/workers/config/actor.py:327-329``); the reference model's
-  defaults to the actor's. A size that does not divide the world is refused.
+* Data-parallel ranks: an FSDP engine has ``world / Ulysses size`` of them (``FSDPEngine.get_data_parallel_size``,
+  ``verl/workers/engine/fsdp/transformer_impl.py``), the world being ``nnodes × n_gpus_per_node``. The Ulysses size
+  of a role is its ``ulysses_sequence_parallel_size`` when > 1, else its ``fsdp_config.ulysses_sequence_parallel_size``
+  (``FSDPActorConfig.__post_init__``, ``verl/workers/config/actor.py``); the reference model's defaults to the
+  actor's. A size that does not divide the world is refused.
 * A PPO mini-batch of ``ppo_mini_batch_size × rollout.n`` responses is split evenly over the actor's
-  data-parallel ranks (``verl/workers/engine_workers.py:267-270``).
+  data-parallel ranks (``TrainingWorker.train_mini_batch``, ``verl/workers/engine_workers.py``).
 * Before the log-prob passes the trainer pads a step's responses with no-op rows to a multiple of
   ``lcm(actor dp ranks, mini-batch responses)`` (the critic's mini-batch joins the lcm when a critic runs; the
-  actor's leaves it during ``trainer.critic_warmup`` steps: ``_get_required_batch_multiple`` /
-  ``_balance_batch``, ``verl/trainer/ppo/v1/trainer_base.py:1589-1621``). The old-policy pass splits them over the
-  actor's ranks, the reference pass (run when a KL term needs it) over the reference model's
-  (``KVBatchMeta.chunk``, ``transfer_queue/metadata.py:984-1010``: uneven shares when its rank count does not
-  divide). A step computes ``trainer.v1.<mode>.parameter_sync_step`` such slices of
-  ``train_batch_size / parameter_sync_step`` prompts one after another (``trainer_base.py:130, 534-552``).
-* Without dynamic batch sizes a fixed micro-batch must divide every rank's share
-  (``prepare_micro_batches``, ``verl/workers/engine/utils.py:122-128``). The old-policy pass runs on the actor's
-  engine with the actor's ``use_dynamic_bsz``, which verl requires to equal ``rollout.log_prob_use_dynamic_bsz``
-  (``engine_workers.py:616-626``); with LoRA the reference pass runs there too (``trainer_base.py:237, 1703``).
+  actor's leaves it during ``trainer.critic_warmup`` steps: ``PPOTrainer._get_required_batch_multiple`` /
+  ``_balance_batch``, ``verl/trainer/ppo/v1/trainer_base.py``). The old-policy pass splits them over the actor's
+  ranks, the reference pass (run when a KL term needs it) over the reference model's (``KVBatchMeta.chunk``,
+  ``transfer_queue/metadata.py``: uneven shares when its rank count does not divide). A step computes
+  ``trainer.v1.<mode>.parameter_sync_step`` such slices of ``train_batch_size / parameter_sync_step`` prompts one
+  after another (``PPOTrainer.__init__`` reads the step count, ``PPOTrainer.step`` runs the slices).
+* Without dynamic batch sizes a fixed micro-batch must divide every rank's share (``prepare_micro_batches``,
+  ``verl/workers/engine/utils.py``). The old-policy pass runs on the actor's engine with the actor's
+  ``use_dynamic_bsz``, which verl requires to equal ``rollout.log_prob_use_dynamic_bsz``
+  (``ActorRolloutRefWorker.init_model``, ``verl/workers/engine_workers.py``); with LoRA the reference pass runs
+  there too (``ref_in_actor``: ``PPOTrainer._setup`` sets it, ``PPOTrainer._compute_ref_log_prob`` reads it).
 * With dynamic batch sizes every sequence must fit one micro-batch: ``budget × Ulysses size`` tokens
-  (``prepare_micro_batches``, ``utils.py:108-112``; ``rearrange_micro_batches``,
-  ``verl/utils/seqlen_balancing.py:384``) must hold one full prompt + response (the agent loop caps them at
-  ``rollout.prompt_length`` / ``response_length``, ``verl/experimental/agent_loop/agent_loop.py:437-445``; by
-  default ``data.max_prompt_length`` / ``max_response_length``), and verl's 128-token synthetic padding row
-  (``SYNTHETIC_PADDING_SEQ_LEN``, ``verl/trainer/ppo/padding_utils.py:42``), which the padding above adds.
+  (``prepare_micro_batches``; ``rearrange_micro_batches``, ``verl/utils/seqlen_balancing.py``) must hold one full
+  prompt + response (the agent loop caps them at ``rollout.prompt_length`` / ``response_length``:
+  ``AgentLoopBase._cap_text_prompt_length``, ``verl/experimental/agent_loop/agent_loop.py``, and
+  ``SingleTurnAgentLoop.run``; by default ``data.max_prompt_length`` / ``max_response_length``), and verl's 128-token
+  synthetic padding row (``SYNTHETIC_PADDING_SEQ_LEN``, ``verl/trainer/ppo/padding_utils.py``), which the padding
+  above adds (``upsample_batch_to_divisible_size``).
 
 Every refusal is a ``ValueError`` naming the keys and numbers at fault.
 """
@@ -183,7 +187,7 @@ def check_micro_batches(config: DictConfig) -> None:
     slices = int(_get(config, f"trainer.v1.{mode}.parameter_sync_step", 1) or 1) if mode else 1
     rows = int(train_batch) // slices * n
     terms = [dp]
-    critic = _get(config, "critic.enable")  # verl's need_critic (verl/trainer/ppo/utils.py:96-107)
+    critic = _get(config, "critic.enable")  # verl's need_critic (verl/trainer/ppo/utils.py)
     if critic if critic is not None else _get(config, "algorithm.adv_estimator") == "gae":
         terms.append(int(_get(config, "critic.ppo_mini_batch_size")) * n)
     multiples = [(math.lcm(*terms, mini_rows), f"lcm({', '.join(map(str, terms))}, mini-batch {mini_rows})")]
