@@ -247,7 +247,7 @@ def test_each_estimator_call_logs_the_rows_and_groups_it_saw(registered, sync_st
 
 
 def test_batch_scopes_under_parameter_sync_step_are_a_startup_note():
-    from gtpo.launch.async_checks import startup_notes
+    from gtpo.launch.batch_checks import startup_notes
 
     def notes(*overrides):
         return startup_notes(compose([*SEPARATE, "model=qwen2.5_7b", *overrides]))
@@ -275,7 +275,7 @@ def test_batch_scopes_under_parameter_sync_step_are_a_startup_note():
 
 def _validate(overrides: list[str]) -> None:
     import gtpo.verl_plugin.register  # noqa: F401
-    from gtpo.launch.validation import validate_recipe_config
+    from gtpo.launch.checks import validate_recipe_config
 
     validate_recipe_config(compose(overrides))
 
@@ -323,7 +323,7 @@ def test_bypass_mode_and_the_forking_loss():
 def test_verl_s_own_trainers_are_refused_for_the_recipe(mode):
     with pytest.raises(ValueError, match=rf"trainer.v1.trainer_mode='{mode}'.*gtpo_colocate_async"):
         _validate(["method=gtpo", f"trainer.v1.trainer_mode={mode}"])
-    with pytest.raises(ValueError, match=rf"forking.enable=true with trainer.v1.trainer_mode='{mode}'"):
+    with pytest.raises(ValueError, match=rf"trainer.v1.trainer_mode='{mode}': algorithm.forking.enable=true needs one"):
         _validate(["method=dapo_forking", f"trainer.v1.trainer_mode={mode}"])
 
 
@@ -409,7 +409,7 @@ def test_the_dry_run_module_checks_the_mode_too(monkeypatch, capsys):
 
     monkeypatch.chdir(script_path("gtpo", "7b").parents[1])
     argv = [*SEPARATE, "method=gtpo", "model=qwen2.5_7b", "actor_rollout_ref.rollout.checkpoint_engine.backend=naive"]
-    assert main(argv) == 1
+    assert main(argv) == 2
     assert "checkpoint_engine.backend=naive" in capsys.readouterr().err
 
 

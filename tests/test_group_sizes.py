@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from gtpo.trainer.group_sizes import GroupParams, ShortGroupError, group_size_metrics
+from gtpo.knobs import GroupParams
+from gtpo.trainer.group_sizes import ShortGroupError, group_size_metrics
 from tests.support.v1_trainers import compute_advantages, make_trainer, tq_batch
 
 
@@ -38,13 +39,13 @@ def test_no_responses_per_group_is_refused_and_an_empty_batch_logs_zeros():
 
 
 def test_bad_knob_values_are_refused_with_the_key():
-    from gtpo.launch.validation import load_all_knobs
+    from gtpo.methods import knob
 
     with pytest.raises(ValueError, match=r"algorithm.groups.refuse_short"):
-        load_all_knobs(OmegaConf.create({"groups": {"refuse_short": "yes"}}))
+        knob(OmegaConf.create({"groups": {"refuse_short": "yes"}}), "groups")
     with pytest.raises(ValueError, match=r"algorithm.groups"):
-        load_all_knobs(OmegaConf.create({"groups": {"refuse_shrt": True}}))
-    assert load_all_knobs(OmegaConf.create({}))["groups"] == GroupParams(refuse_short=False)
+        knob(OmegaConf.create({"groups": {"refuse_shrt": True}}), "groups")
+    assert knob(OmegaConf.create({}), "groups") == GroupParams(refuse_short=False)
 
 
 @pytest.mark.parametrize("method", ["gtpo", "grpo_s", "gtpo_traj"])
