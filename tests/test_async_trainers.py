@@ -16,6 +16,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from gtpo.methods import ENTROPY, METHODS
 from tests.support.configs import compose
 from tests.support.launch import dry_run_env, resolved_config, script_path
 from tests.support.v1_trainers import MemoryTQ, compute_advantages, make_trainer, tq_batch
@@ -281,7 +282,7 @@ def _validate(overrides: list[str]) -> None:
 
 
 @pytest.mark.parametrize("preset", ["sync", "colocate_async", "separate_async"])
-@pytest.mark.parametrize("method", ["grpo", "dapo", "dapo_forking", "gtpo", "grpo_s", "gtpo_traj"])
+@pytest.mark.parametrize("method", METHODS)
 def test_every_method_composes_under_every_mode(preset, method):
     overrides = [f"trainer={preset}", f"method={method}", "model=qwen2.5_7b"]
     if preset == "separate_async":
@@ -295,7 +296,8 @@ def test_every_method_composes_under_every_mode(preset, method):
         assert cfg.algorithm.filter_groups.max_num_gen_batches == 0
 
 
-@pytest.mark.parametrize("estimator", ["gtpo", "grpo_s", "gtpo_traj"])
+# The rows that need the old policy's entropy (gtpo.methods.fields_needed), which bypass mode never computes.
+@pytest.mark.parametrize("estimator", sorted({r.adv_estimator for r in METHODS.values() if ENTROPY in r.needs}))
 @pytest.mark.parametrize("preset", ["sync", "colocate_async"])
 def test_bypass_mode_is_refused_for_the_recipe_estimators(estimator, preset):
     with pytest.raises(ValueError, match=rf"bypass_mode=true with algorithm.adv_estimator='{estimator}'"):

@@ -231,6 +231,18 @@ def test_the_run_name_follows_what_changes_the_algorithm(tmp_path, args, env, na
     assert json.loads(p.environ["GTPO_RUN"])["name"] == name
 
 
+def test_the_launcher_names_the_cross_product_pieces_it_composes(tmp_path):
+    """The pieces the recipe's defaults list picks as `optional` (scale/model, scale/method, adapter/model)."""
+    p = planned(["gtpo_traj", "qwen2.5_7b", "scale=dapo"], tmp_path)
+    assert p.pieces() == ["configs/scale/model/dapo_qwen2.5_7b.yaml", "configs/scale/method/dapo_gtpo_traj.yaml"]
+    assert (
+        "; pieces: configs/scale/model/dapo_qwen2.5_7b.yaml configs/scale/method/dapo_gtpo_traj.yaml;" in p.describe()
+    )
+    lora = planned(["gtpo", "qwen2.5_3b", "adapter=lora"], tmp_path)
+    assert lora.pieces() == ["configs/adapter/model/lora_qwen2.5_3b.yaml"]
+    assert planned(["gtpo", "qwen2.5_7b"], tmp_path).pieces() == []
+
+
 def test_a_long_list_of_changes_is_cut_with_a_hash():
     many = tuple(f"algorithm.gtpo.alpha{i}=0.{i}" for i in range(1, 10))
     name = Run("gtpo", "qwen2.5_7b", overrides=many).name()

@@ -27,6 +27,7 @@ from gtpo.launch.runs import (
     REPO_ROOT,
     RUN_ENV,
     Run,
+    default_choice,
     fitting_launcher,
     missing_piece,
     preset_counts,
@@ -212,14 +213,23 @@ class Plan:
                     f"submit it with sbatch {flag}={count}{pool}, or set {env}={given} to train on {given}"
                 )
 
+    def pieces(self) -> list[str]:
+        """The cross-product presets Hydra composes for this run (``optional`` in the recipe's defaults list)."""
+        scale = next((o.partition("=")[2] for o in reversed(self.overrides) if o.startswith("scale=")), None)
+        scale = scale or default_choice("scale")
+        names = [f"scale/model/{scale}_{self.run.model}", f"scale/method/{scale}_{self.run.method}"]
+        names += [f"adapter/model/{self.run.adapter}_{self.run.model}"] if self.run.adapter else []
+        return [f"configs/{name}.yaml" for name in names if (REPO_ROOT / "configs" / f"{name}.yaml").is_file()]
+
     def describe(self) -> str:
         published = published_script(self.run.method, self.run.model, self.run.adapter)
-        changes = f"; changes: {' '.join(self.run.changes)}" if self.run.changes else ""
-        return (
-            f"[gtpo] run {self.name}: method={self.run.method} model={self.run.model}"
-            f"{f' adapter={self.run.adapter}' if self.run.adapter else ''} on {self.nnodes} x {self.gpus} GPUs"
-            f"{changes}{f' ({published})' if published and not changes else ''}; CKPTS_DIR={self.paths['CKPTS_DIR']}"
-        )
+        words = [f"[gtpo] run {self.name}: method={self.run.method} model={self.run.model}"]
+        words += [f"adapter={self.run.adapter}"] if self.run.adapter else []
+        words += [f"on {self.nnodes} node(s) x {self.gpus} GPU(s)"]
+        words += [f"({published})"] if published and not self.run.changes else []
+        details = [f"changes: {' '.join(self.run.changes)}"] if self.run.changes else []
+        details += [f"pieces: {' '.join(self.pieces())}"] if self.pieces() else []
+        return "; ".join([" ".join(words), *details, f"CKPTS_DIR={self.paths['CKPTS_DIR']}"])
 
 
 def plan(argv: Sequence[str], environ: Mapping[str, str]) -> Plan:
