@@ -57,7 +57,8 @@ RUN_ONLY_PREFIXES = (
 RUN_ONLY_LEAVES = re.compile(
     r"(max_token_len_per_gpu|micro_batch_size_per_gpu|use_dynamic_bsz|gpu_memory_utilization|_parallel_size|"
     r"max_num_batched_tokens|param_offload|optimizer_offload|enable_gradient_checkpointing|use_remove_padding|"
-    r"entropy_from_logits_with_chunking|entropy_checkpointing|use_torch_compile|fsdp_size)$"
+    r"entropy_from_logits_with_chunking|entropy_checkpointing|use_torch_compile|fsdp_size|enable_chunked_prefill|"
+    r"enforce_eager|free_cache_engine|enable_prefix_caching|load_format|layered_summon|max_num_seqs)$|engine_kwargs\."
 )
 # Beyond this many characters the algorithm part of a run's name is cut and a hash of it appended.
 NAME_SUFFIX_CHARS = 60
