@@ -324,7 +324,7 @@ def entry_point(monkeypatch, capsys):
 
 @pytest.mark.parametrize("full_error", ["1", None])
 def test_the_entry_point_prints_a_misspelt_key_in_one_line(entry_point, monkeypatch, full_error):
-    """With or without HYDRA_FULL_ERROR (scripts/common.sh exports 1): one line and CONFIG_ERROR_EXIT, before any
+    """With or without HYDRA_FULL_ERROR (the launcher exports 1): one line and CONFIG_ERROR_EXIT, before any
     check or Ray; GTPO_TRACEBACK=1 gives Hydra's exception itself."""
     from hydra.errors import ConfigCompositionException
 

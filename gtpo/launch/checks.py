@@ -150,13 +150,13 @@ def check_grop_and_forking(config: DictConfig, knobs: dict[str, Any]) -> None:
         )
 
 
-def check_recipe_needs(config: DictConfig) -> None:
+def check_recipe_needs(config: DictConfig, forking: Any) -> None:
     """What the run needs from the batch (:func:`gtpo.methods.fields_needed`) only the recipe's trainer modes hand
     over, and the old policy's entropy only verl's old-log-prob pass computes (which bypass mode skips)."""
     from gtpo.trainer.modes import TRAINER_MODES
 
     algorithm, mode = config.algorithm, str(config.trainer.v1.trainer_mode)
-    estimator, forking = str(algorithm.adv_estimator), knob(algorithm, "forking")
+    estimator = str(algorithm.adv_estimator)
     row, needs = recipe_estimator(estimator), fields_needed(algorithm)
     who = f"algorithm.adv_estimator={estimator!r}" if row is not None else "algorithm.forking.enable=true"
     if (row is not None or forking.enable) and mode not in TRAINER_MODES:
@@ -228,7 +228,7 @@ def validate_recipe_config(config: DictConfig) -> dict[str, Any]:
     check_checkpoint_saves(config)
     check_sequence_parallel_attention(config)
     check_grop_and_forking(config, knobs)
-    check_recipe_needs(config)
+    check_recipe_needs(config, knobs["forking"])
     check_verl_mode_constraints(config)
     return batch_plan(config)
 
