@@ -1,4 +1,4 @@
-"""The exit status of a Ray job's driver, for the shell that ran ``ray job submit`` (scripts/common.sh, job mode).
+"""The exit status of a Ray job's driver, for the launcher that ran ``ray job submit`` (gtpo/launch/submit.py).
 
     python -m gtpo.launch.job_exit <submission id> [--address http://<head>:8265] [--cli-status N]
 
