@@ -109,7 +109,7 @@ def test_old_log_probs_and_entropy_equal_the_padded_path(results, path):
 @pytest.mark.parametrize("method", EQUIVALENT)
 @pytest.mark.parametrize("path", OTHER_PATHS)
 def test_advantages_equal_the_padded_path(results, path, method):
-    from gtpo.verl_plugin import forking
+    from gtpo.verl_plugin import actor_loss
 
     padded, other = results["padded", None], results[path, None]
     for key in _real_keys(padded):
@@ -118,7 +118,7 @@ def test_advantages_equal_the_padded_path(results, path, method):
         )
     assert any(padded.advantages[method][k].abs().sum() > 0 for k in _real_keys(padded))
     if method == "forking_batch":
-        for name in (forking.THRESHOLD_KEY, forking.FRACTION_KEY):
+        for name in (actor_loss.THRESHOLD_KEY, actor_loss.FRACTION_KEY):
             reference = padded.batches[method].extra_info[name]
             assert other.batches[method].extra_info[name] == pytest.approx(reference, rel=0, abs=1e-6)
 

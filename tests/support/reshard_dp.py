@@ -145,13 +145,13 @@ def _update(worker, data) -> dict:
 def _run_phase(job: Phase, rank: int) -> PhaseResult:
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    from gtpo.verl_plugin import forking
+    from gtpo.verl_plugin import actor_loss
 
     started = time.perf_counter()
     cfg = actor_config(job.model_dir, job.load_contents)
     worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
     worker.init_model()
-    forking.install(SimpleNamespace(config=cfg, actor_rollout_wg=worker))  # as AdvantageHandoff.on_init_end does
+    actor_loss.install(SimpleNamespace(config=cfg, actor_rollout_wg=worker))  # as AdvantageHandoff.on_init_end does
     engine = worker.actor.engine
     result = PhaseResult()
     if job.load_step is not None:
