@@ -6,8 +6,10 @@
 
 Task: prompt ``say <d>`` with ``d`` in 0..9; reward 1 if the first whitespace-separated word of the response is ``d``,
 else 0 (``--task second_word``: the second word must be ``d``, the first is free; same prompts, model and settings, a
-separate asset folder). GTPO (arXiv 2508.04349) counts a response as correct when its reward is ``> 0`` and uses the
-literal -1 as the negative base (Eq. 5), so the 0/1 reward needs no rescaling.
+separate asset folder; ``--task tool_lookup``: verl's tool agent loop, the answer only a tool call reveals, its own
+tokenizer, data and tool config, :mod:`gtpo.cpu.tool_task`). GTPO (arXiv 2508.04349) counts a response as correct
+when its reward is ``> 0`` and uses the literal -1 as the negative base (Eq. 5), so the 0/1 reward needs no
+rescaling.
 The data set is the ten prompts repeated, so the demo shows that the reward signal flows through verl (rollout,
 reward, estimator, PPO update, weight sync), not generalisation.
 
@@ -125,6 +127,9 @@ from gtpo.cpu.demo_trainer import (
 )
 from gtpo.trainer.guard.watchdog import find_expiry
 
+# The tool task (gtpo.cpu.tool_task): the demo's trainer settings plus verl's tool agent loop.
+TOOL_TASK = "tool_lookup"
+
 __all__ = [
     "CHAT_TEMPLATE",
     "DATA_RECIPE",
@@ -191,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--task",
         default=DEFAULT_TASK,
-        choices=list(TASK_WORD_INDEX),
-        help="say_digit (default: the first response word must be the digit) or second_word (the second must)",
+        choices=[*TASK_WORD_INDEX, TOOL_TASK],
+        help="say_digit (default: the first response word must be the digit), second_word (the second must) or "
+        "tool_lookup (verl's tool agent loop: the digit comes only from a tool call, gtpo.cpu.tool_task)",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="kill the trainer after this many seconds")
     p.add_argument("--cache-dir", default=None, help="asset cache (default $GTPO_CACHE_DIR or ~/.cache/gtpo/tiny)")
@@ -239,7 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --steps {args.steps}: must be >= 1", file=sys.stderr)
         return 2
 
-    assets = build_demo_assets(args.cache_dir, seed=args.seed, task=args.task)
+    if args.task == TOOL_TASK:
+        from gtpo.cpu.tool_task import build_tool_task_assets, tool_task_overrides
+
+        assets = build_tool_task_assets(args.cache_dir, seed=args.seed)
+        extra = [*tool_task_overrides(assets), *extra]  # after the demo's settings; the caller's still come last
+    else:
+        assets = build_demo_assets(args.cache_dir, seed=args.seed, task=args.task)
     if args.assets_only:
         print(json.dumps(asdict(assets), indent=1))
         return 0
