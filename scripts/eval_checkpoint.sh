@@ -7,28 +7,43 @@
 # columns (Mean@32, Pass@4, Pass@32). Cost: (30 + 30 + 500) x 32 = 17,920 responses per checkpoint.
 #
 #   bash scripts/eval_checkpoint.sh scripts/run_gtpo_qwen2.5_7b.sh <ckpts>/global_step_200 [hydra overrides]
+#   bash scripts/eval_checkpoint.sh scripts/run.sh grpo qwen3_8b_base <ckpts>/global_step_200   # the generic launcher
 #   EVAL_DIR=/shared/eval/gtpo-200 bash scripts/eval_checkpoint.sh ...      # where the dump and tables go
 #   DRY_RUN=1 bash scripts/eval_checkpoint.sh ...                            # resolve + validate only, and check
 #                                                                            # the checkpoint is here and complete
 #
 # The checkpoint folder is verl's <trainer.default_local_dir>/global_step_<N>; the evaluation runs best on the
 # cluster shape that trained it (on another, the checkpoint is first resharded in place: docs/resume-and-preemption.md).
-# A LoRA checkpoint: the LoRA launcher that trained it (scripts/run_<method>_qwen2.5_<size>_lora.sh) loads base and
-# adapters as its resume does and sends the adapters to vLLM before validating. EVAL_DIR must be readable here after the run: with
-# job submission (RAY_ADDRESS=http://...) put it on storage this shell shares with the cluster.
+# A LoRA checkpoint: the launcher that trained it (scripts/run_gtpo_qwen2.5_<size>_lora.sh, or scripts/run.sh METHOD
+# MODEL adapter=lora) loads base and adapters as its resume does and sends the adapters to vLLM before validating.
+# EVAL_DIR must be readable here after the run: with job submission (RAY_ADDRESS=http://...) put it on storage this
+# shell shares with the cluster.
 set -xeuo pipefail
-# The trace only when asked for, as in scripts/common.sh (GTPO_TRACE=1).
+# The trace only when asked for (GTPO_TRACE=1).
 { [[ "${GTPO_TRACE:-0}" == 1 ]] || set +x; } 2>/dev/null
-# Private by default, as scripts/common.sh makes the launcher it calls: the dump and the tables written here.
-umask 077
+# The private umask and the interpreter of the launchers (the dump and the tables written here are the user's too).
+# shellcheck source=scripts/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+dry_run=0
+if [[ "${DRY_RUN:-0}" =~ ^(1|true|yes)$ ]]; then
+    dry_run=1
+fi
 
-if [[ $# -lt 2 ]]; then
-    echo "usage: $0 <launch script> <checkpoint folder .../global_step_N> [hydra overrides]" >&2
+# The launcher, with the method and the model when it is scripts/run.sh (they come before its overrides).
+launcher=("${1:-}")
+taken=1
+if [[ "${launcher[0]}" == run.sh || "${launcher[0]}" == */run.sh ]]; then
+    launcher+=("${2:-}" "${3:-}")
+    taken=3
+fi
+if [[ $# -le ${taken} ]]; then
+    echo "usage: $0 <launch script> [METHOD MODEL, for scripts/run.sh] <checkpoint folder .../global_step_N>" \
+        "[hydra overrides]" >&2
     exit 2
 fi
-launch_script=$1
-checkpoint=${2%/}
-shift 2
+shift "${taken}"
+checkpoint=${1%/}
+shift
 if [[ "${checkpoint}" != *global_step_* ]]; then
     echo "checkpoint=${checkpoint}: expected verl's checkpoint folder <default_local_dir>/global_step_<N>" >&2
     exit 2
@@ -41,24 +56,21 @@ fi
 # Absolute paths: the launch scripts run from the repository root.
 [[ "${checkpoint}" == /* ]] || checkpoint="${PWD}/${checkpoint}"
 # The dry run checks the checkpoint it would evaluate: here (below), complete (the launcher's dry run, as the resume
-# defines it: gtpo/trainer/checkpoints.py).
-if [[ "${DRY_RUN:-0}" == 1 || "${DRY_RUN:-0}" == true ]] && [[ ! -d "${checkpoint}" ]]; then
+# defines it: gtpo/trainer/resume/checkpoints.py).
+if ((dry_run)) && [[ ! -d "${checkpoint}" ]]; then
     echo "checkpoint=${checkpoint}: no such folder" >&2
     exit 2
 fi
 
 # Infrastructure
 EVAL_DIR=${EVAL_DIR:-"${checkpoint}/eval"}
-# As scripts/common.sh: python3 where it has the recipe's packages (the image), else this checkout's .venv.
-# shellcheck source=scripts/default_python.sh
-source "$(dirname "${BASH_SOURCE[0]}")/default_python.sh"
 EVAL_ARGS=${EVAL_ARGS:-"--sampling paper"}
 # Samples per problem: Table 1's Mean@32 / Pass@4 / Pass@32 (in-loop validation uses the launchers' val_n = 4).
 EVAL_N=${EVAL_N:-32}
 
 [[ "${EVAL_DIR}" == /* ]] || EVAL_DIR="${PWD}/${EVAL_DIR}"
 dump_dir="${EVAL_DIR}/generations"
-bash "${launch_script}" \
+bash "${launcher[@]}" \
     trainer.val_only=true \
     trainer.val_before_train=true \
     trainer.resume_mode=resume_path \
@@ -67,7 +79,7 @@ bash "${launch_script}" \
     actor_rollout_ref.rollout.val_kwargs.n="${EVAL_N}" \
     "$@"
 
-if [[ "${DRY_RUN:-0}" == 1 || "${DRY_RUN:-0}" == true ]]; then
+if ((dry_run)); then
     exit 0
 fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

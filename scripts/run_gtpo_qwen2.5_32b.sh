@@ -1,57 +1,7 @@
 #!/usr/bin/env bash
-# GTPO: token-level entropy-shaped rewards on top of DAPO
-# (arXiv 2508.04349) | Qwen2.5-32B base | 4 nodes x 8 GPUs | FSDP2 + vLLM | verl 0.9.1
-#
-# Presets: configs/method/gtpo.yaml (estimator, loss, clip, KL off, dynamic sampling), configs/model/qwen2.5_32b.yaml
-# (parallelism, offload, token budgets) and configs/scale/paper.yaml (paper A's batch, lengths, lr, sampling).
-# Launch logic: scripts/common.sh.
-#
-#   bash scripts/run_gtpo_qwen2.5_32b.sh [overrides]                     # on this node / Slurm driver
-#   RAY_ADDRESS=http://<head>:8265 bash scripts/run_gtpo_qwen2.5_32b.sh   # ray job submit to a cluster
-#   DRY_RUN=1 bash scripts/run_gtpo_qwen2.5_32b.sh                       # resolve + validate, no Ray
-#   PREFLIGHT=1 bash scripts/run_gtpo_qwen2.5_32b.sh                     # on the cluster, before training (seconds)
-set -xeuo pipefail
-
-# Algorithm
-# Scale: paper A's setup (arXiv 2508.04349, Sec. 3.1) from configs/scale/paper.yaml: 128 prompts x 16 responses,
-# prompt 2048 + response 4096 tokens, lr 1e-6, rollout temperature 1.0 / top-p 1.0, mini-batch 32 prompts.
-# scale=dapo (here or as an argument) selects DAPO's 512 x 16 at 2048 + 20480 instead (configs/scale/dapo.yaml).
-# Validation: AIME 2024, AIME 2025, MATH 500 (TEST_FILE) with paper A's sampling (configs/sampling/paper.yaml),
-# in the loop at n = 4 every 20 steps: (30 + 30 + 500) x 4 = 2,240 responses, 1.1 training rounds each; Table 1's
-# n = 32 (17,920 responses, 8.75 rounds) runs offline on saved checkpoints: scripts/eval_checkpoint.sh.
-method=gtpo
-model_preset=qwen2.5_32b
-scale=paper
-clip_ratio_low=0.2
-clip_ratio_high=0.28
-loss_agg_mode=token-mean
-val_sampling=paper
-val_n=4
-
-# Infrastructure (on a cluster RAY_DATA_HOME, or each path, must be shared storage: scripts/common.sh)
-NNODES=${NNODES:-4}
-NGPUS_PER_NODE=${NGPUS_PER_NODE:-8}
-RAY_DATA_HOME=${RAY_DATA_HOME:-"${HOME}/verl"}
-MODEL_PATH=${MODEL_PATH:-"${RAY_DATA_HOME}/models/Qwen2.5-32B"}
-TRAIN_FILE=${TRAIN_FILE:-"${RAY_DATA_HOME}/data/dapo_math_17k.parquet"}
-TEST_FILE=${TEST_FILE:-"[${RAY_DATA_HOME}/data/aime2024.parquet,${RAY_DATA_HOME}/data/aime2025.parquet,${RAY_DATA_HOME}/data/math500.parquet]"}
-PROJECT_NAME=${PROJECT_NAME:-gtpo-reproduction}
-EXP_NAME=${EXP_NAME:-gtpo-qwen2.5-32b}
-CKPTS_DIR=${CKPTS_DIR:-"${RAY_DATA_HOME}/ckpts/${PROJECT_NAME}/${EXP_NAME}"}
-RAY_ADDRESS=${RAY_ADDRESS:-}
-WORKING_DIR=${WORKING_DIR:-"$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"}
-RUNTIME_ENV=${RUNTIME_ENV:-"${WORKING_DIR}/recipe/gtpo/runtime_env.yaml"}
-
-# shellcheck source=scripts/common.sh
-source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-
-gtpo_launch \
-    method="${method}" \
-    model="${model_preset}" \
-    scale="${scale}" \
-    sampling="${val_sampling}" \
-    actor_rollout_ref.rollout.val_kwargs.n="${val_n}" \
-    actor_rollout_ref.actor.clip_ratio_low="${clip_ratio_low}" \
-    actor_rollout_ref.actor.clip_ratio_high="${clip_ratio_high}" \
-    actor_rollout_ref.actor.loss_agg_mode="${loss_agg_mode}" \
-    "$@"
+# GTPO on Qwen2.5-32B base: token-level entropy shaping on the DAPO base.
+# Tan et al., arXiv 2508.04349; paper A's scale (configs/scale/paper.yaml).
+# 4 nodes x 8 GPUs | no KL | dynamic sampling | clip 0.2/0.28 | loss vanilla/token-mean
+# Every setting comes from configs/method/gtpo.yaml and configs/model/qwen2.5_32b.yaml; this is
+# bash scripts/run.sh gtpo qwen2.5_32b (--help: overrides, environment, DRY_RUN=1, PREFLIGHT=1).
+exec "$(dirname "${BASH_SOURCE[0]}")/run.sh" gtpo qwen2.5_32b "$@"

@@ -1,63 +1,7 @@
 #!/usr/bin/env bash
-# GTPO-trajectory: conflict-token masking and entropy filtering of the advantages
-# (arXiv 2508.03772) | Qwen2.5-32B base | 4 nodes x 8 GPUs | FSDP2 + vLLM | verl 0.9.1
-#
-# Presets: configs/method/gtpo_traj.yaml (estimator, loss, clip, KL off, dynamic sampling), configs/model/qwen2.5_32b.yaml
-# (parallelism, offload, token budgets) and configs/scale/paper.yaml (paper A's batch, lengths, lr, sampling).
-# Launch logic: scripts/common.sh.
-#
-# Group size and updates per step: paper B's own setting is G = 8 responses per prompt and one on-policy update per
-# rollout (mini-batch = batch, configs/method/gtpo_traj.yaml). At scale=paper, configs/scale/method/paper_gtpo_traj.yaml
-# keeps the single on-policy update but the group is the shared G = 16, so all six methods compare step for step on
-# the same batch. Paper B's group of 8:
-#   bash scripts/run_gtpo_traj_qwen2.5_32b.sh actor_rollout_ref.rollout.n=8
-#
-#   bash scripts/run_gtpo_traj_qwen2.5_32b.sh [overrides]                     # on this node / Slurm driver
-#   RAY_ADDRESS=http://<head>:8265 bash scripts/run_gtpo_traj_qwen2.5_32b.sh   # ray job submit to a cluster
-#   DRY_RUN=1 bash scripts/run_gtpo_traj_qwen2.5_32b.sh                       # resolve + validate, no Ray
-#   PREFLIGHT=1 bash scripts/run_gtpo_traj_qwen2.5_32b.sh                     # on the cluster, before training (seconds)
-set -xeuo pipefail
-
-# Algorithm
-# Scale: paper A's setup (arXiv 2508.04349, Sec. 3.1) from configs/scale/paper.yaml: 128 prompts x 16 responses,
-# prompt 2048 + response 4096 tokens, lr 1e-6, rollout temperature 1.0 / top-p 1.0, mini-batch 32 prompts.
-# scale=dapo (here or as an argument) selects DAPO's 512 x 16 at 2048 + 20480 instead (configs/scale/dapo.yaml).
-# Validation: AIME 2024, AIME 2025, MATH 500 (TEST_FILE) with paper A's sampling (configs/sampling/paper.yaml),
-# in the loop at n = 4 every 20 steps: (30 + 30 + 500) x 4 = 2,240 responses, 1.1 training rounds each; Table 1's
-# n = 32 (17,920 responses, 8.75 rounds) runs offline on saved checkpoints: scripts/eval_checkpoint.sh.
-method=gtpo_traj
-model_preset=qwen2.5_32b
-scale=paper
-clip_ratio_low=0.2
-clip_ratio_high=0.2
-loss_agg_mode=seq-mean-token-mean
-val_sampling=paper
-val_n=4
-
-# Infrastructure (on a cluster RAY_DATA_HOME, or each path, must be shared storage: scripts/common.sh)
-NNODES=${NNODES:-4}
-NGPUS_PER_NODE=${NGPUS_PER_NODE:-8}
-RAY_DATA_HOME=${RAY_DATA_HOME:-"${HOME}/verl"}
-MODEL_PATH=${MODEL_PATH:-"${RAY_DATA_HOME}/models/Qwen2.5-32B"}
-TRAIN_FILE=${TRAIN_FILE:-"${RAY_DATA_HOME}/data/dapo_math_17k.parquet"}
-TEST_FILE=${TEST_FILE:-"[${RAY_DATA_HOME}/data/aime2024.parquet,${RAY_DATA_HOME}/data/aime2025.parquet,${RAY_DATA_HOME}/data/math500.parquet]"}
-PROJECT_NAME=${PROJECT_NAME:-gtpo-reproduction}
-EXP_NAME=${EXP_NAME:-gtpo_traj-qwen2.5-32b}
-CKPTS_DIR=${CKPTS_DIR:-"${RAY_DATA_HOME}/ckpts/${PROJECT_NAME}/${EXP_NAME}"}
-RAY_ADDRESS=${RAY_ADDRESS:-}
-WORKING_DIR=${WORKING_DIR:-"$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"}
-RUNTIME_ENV=${RUNTIME_ENV:-"${WORKING_DIR}/recipe/gtpo/runtime_env.yaml"}
-
-# shellcheck source=scripts/common.sh
-source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-
-gtpo_launch \
-    method="${method}" \
-    model="${model_preset}" \
-    scale="${scale}" \
-    sampling="${val_sampling}" \
-    actor_rollout_ref.rollout.val_kwargs.n="${val_n}" \
-    actor_rollout_ref.actor.clip_ratio_low="${clip_ratio_low}" \
-    actor_rollout_ref.actor.clip_ratio_high="${clip_ratio_high}" \
-    actor_rollout_ref.actor.loss_agg_mode="${loss_agg_mode}" \
-    "$@"
+# GTPO-trajectory on Qwen2.5-32B base: conflict-token masking, entropy filtering.
+# Simoni et al., arXiv 2508.03772; paper A's scale (configs/scale/paper.yaml).
+# 4 nodes x 8 GPUs | no KL | no dynamic sampling | clip 0.2/0.2 | loss vanilla/seq-mean-token-mean
+# Every setting comes from configs/method/gtpo_traj.yaml and configs/model/qwen2.5_32b.yaml; this is
+# bash scripts/run.sh gtpo_traj qwen2.5_32b (--help: overrides, environment, DRY_RUN=1, PREFLIGHT=1).
+exec "$(dirname "${BASH_SOURCE[0]}")/run.sh" gtpo_traj qwen2.5_32b "$@"

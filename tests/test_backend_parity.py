@@ -189,7 +189,7 @@ def test_a_new_preset_knob_fails_until_the_backend_runs_it_or_names_it(backend, 
 
 
 def test_ulysses_is_refused_with_an_attention_that_does_not_gather_the_sequence():
-    from gtpo.launch.validation import validate_recipe_config
+    from gtpo.launch.checks import validate_recipe_config
 
     validate_recipe_config(compose(["model=qwen2.5_7b", "scale=dapo"]))  # Ulysses 4, verl's flash_attention_2
     sdpa = "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"

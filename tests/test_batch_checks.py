@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from gtpo.launch.batch_checks import check_micro_batches
+from gtpo.launch.batch_checks import batch_plan
 from tests.support.configs import compose
 
 ARR = "actor_rollout_ref"
@@ -21,15 +21,15 @@ KL = [f"{ARR}.actor.use_kl_loss=true"]
 
 
 def _check(*overrides: str) -> None:
-    check_micro_batches(compose(["backend=cpu_tiny", *overrides]))
+    batch_plan(compose(["backend=cpu_tiny", *overrides]))
 
 
 def test_log_prob_rows_are_padded_to_the_lcm_not_the_product():
-    # 5 prompts x 4 = 20 rows; lcm(2 ranks, 8-row mini-batch) = 8 -> 24 rows, 12 per rank (the product 16 would
+    # 6 prompts x 4 = 24 rows; lcm(2 ranks, 8-row mini-batch) = 8 -> 24 rows, 12 per rank (the product 16 would
     # pad to 32, 16 per rank, which 12 does not divide)
-    two = ["trainer.n_gpus_per_node=2", "data.train_batch_size=5", *STATIC]
+    two = ["trainer.n_gpus_per_node=2", "data.train_batch_size=6", *STATIC]
     _check(*two, f"{ARR}.rollout.log_prob_micro_batch_size_per_gpu=12")
-    with pytest.raises(ValueError, match=r"=8 does not divide the 12 responses each rank gets .*20 responses, padded"):
+    with pytest.raises(ValueError, match=r"=8 does not divide the 12 responses each rank gets .*24 responses, padded"):
         _check(*two, f"{ARR}.rollout.log_prob_micro_batch_size_per_gpu=8")
 
 
@@ -42,12 +42,14 @@ def test_a_mini_batch_counts_prompts_times_rollout_n():
 
 
 def test_separate_async_computes_each_slice_of_the_step_on_its_own():
-    # 4 prompts in 2 slices of 2 x 4 = 8 rows; lcm(2, 8) = 8 -> 4 per rank: 8 does not divide (16 rows would: 8)
-    mode = ["trainer.v1.trainer_mode=gtpo_separate_async", "data.train_batch_size=4", "trainer.n_gpus_per_node=2"]
+    # 4 prompts in 2 slices of 2 x 4 = 8 rows; lcm(2, 8) = 8 -> 4 per rank: 8 does not divide (one slice of 16 rows,
+    # a mini-batch of 4 prompts, would: 8)
+    mode = ["trainer.v1.trainer_mode=gtpo_separate_async", "data.train_batch_size=4", "trainer.n_gpus_per_node=2",
+            f"{ARR}.rollout.nnodes=1", f"{ARR}.rollout.n_gpus_per_node=1"]  # fmt: skip
     micro = [*STATIC, f"{ARR}.rollout.log_prob_micro_batch_size_per_gpu=8"]
     with pytest.raises(ValueError, match=r"=8 does not divide the 4 responses each rank gets of the old-policy log"):
         _check(*mode, "trainer.v1.separate_async.parameter_sync_step=2", *micro)
-    _check(*mode, "trainer.v1.separate_async.parameter_sync_step=1", *micro)
+    _check(*mode, "trainer.v1.separate_async.parameter_sync_step=1", f"{ARR}.actor.ppo_mini_batch_size=4", *micro)
 
 
 def test_the_reference_pass_is_checked_when_a_kl_term_needs_it():
@@ -143,8 +145,8 @@ def test_a_token_budget_must_hold_verl_s_128_token_padding_row():
     from tests.support.configs import compose
 
     short = ["backend=cpu_tiny", "data.max_prompt_length=8", "data.max_response_length=4"]
-    check_micro_batches(compose([*short, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=128"]))
+    batch_plan(compose([*short, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=128"]))
     with pytest.raises(ValueError, match=r"ppo_max_token_len_per_gpu=127: .* less than the 128-token padding row"):
-        check_micro_batches(compose([*short, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=127"]))
+        batch_plan(compose([*short, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=127"]))
     ulysses = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
-    check_micro_batches(compose([*short, *ulysses, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64"]))
+    batch_plan(compose([*short, *ulysses, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64"]))

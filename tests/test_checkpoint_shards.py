@@ -20,7 +20,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from gtpo.launch.driver_checks import check_world_size_before_launch
+from gtpo.launch.checks import check_world_size_before_launch
 from gtpo.trainer.resume import checkpoint_state, checkpoint_world_size, checkpoints
 from gtpo.trainer.resume.checkpoints import TRACKER_FILE, CheckpointLayout, prune_checkpoints, resolve_auto_resume
 from tests.support.checkpoints import make_trainer, save, write_shards

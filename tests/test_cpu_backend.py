@@ -262,7 +262,7 @@ def test_gloo_default_backend_only_under_verl_platform_cpu(platform, backends):
 def test_cpu_backend_is_refused_on_a_gpu_run(device, env, runtime_env, found):
     from omegaconf import OmegaConf
 
-    from gtpo.launch.driver_checks import check_cpu_backend
+    from gtpo.launch.checks import check_cpu_backend
 
     config = OmegaConf.create(
         {"trainer": {"device": device}, "ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": runtime_env}}}}

@@ -220,7 +220,7 @@ def test_overrides_compose_with_the_recipe(assets):
     from omegaconf import OmegaConf
 
     import gtpo.verl_plugin.register  # noqa: F401
-    from gtpo.launch.validation import validate_recipe_config
+    from gtpo.launch.checks import validate_recipe_config
 
     overrides = [
         "backend=cpu_tiny",
@@ -280,7 +280,7 @@ def compose_demo(assets, method: str, extra: tuple[str, ...] = ()):
 def test_every_preset_composes_with_the_demo_pins(assets, method):
     from omegaconf import OmegaConf
 
-    from gtpo.launch.validation import validate_recipe_config
+    from gtpo.launch.checks import validate_recipe_config
 
     preset = OmegaConf.load(REPO_ROOT / "configs" / "method" / f"{method}.yaml")
     cfg = compose_demo(assets, method)
@@ -303,7 +303,7 @@ def test_every_preset_composes_with_the_demo_pins(assets, method):
 
 
 def test_dapo_overlong_buffer_without_the_pin_is_rejected_at_config_time(assets):
-    from gtpo.launch.validation import validate_recipe_config
+    from gtpo.launch.checks import validate_recipe_config
 
     cfg = compose_demo(assets, "dapo", ("++reward.reward_kwargs.overlong_buffer_cfg.enable=True",))
     with pytest.raises(ValueError, match="overlong_buffer_cfg.len=1024 >= reward.reward_kwargs.max_resp_len=4"):

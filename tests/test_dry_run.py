@@ -61,11 +61,11 @@ def test_presets_pass(compose, capsys, size):
 def test_batch_plan_numbers(compose, size, scale, expected):
     from omegaconf import OmegaConf
 
-    from gtpo.launch.batch_plan import batch_plan
+    from gtpo.launch.batch_checks import batch_plan
 
     cfg = compose(f"model=qwen2.5_{size}", f"scale={scale}")
     OmegaConf.resolve(cfg)
-    assert batch_plan(cfg) == {**expected, "dynamic_bsz": True}
+    assert batch_plan(cfg) == {**expected, "dynamic_bsz": True, "rollout_pool": None}
 
 
 @pytest.mark.parametrize("method", ["dapo", "dapo_forking"])
@@ -121,16 +121,19 @@ def test_rejects_overlong_buffer_trap(monkeypatch, overrides, match):
             ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=3"],
             r"ulysses_sequence_parallel_size=3 does not divide",
         ),
-        (["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2000"], r"ppo_max_token_len_per_gpu=2000 \* ulysses"),
+        (
+            ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2000"],
+            r"ppo_max_token_len_per_gpu=2000: a micro-batch holds",
+        ),
         (
             ["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=2000"],
             r"rollout.log_prob_max_token_len_per_gpu=2000",
         ),
         (["actor_rollout_ref.rollout.n=1"], r"rollout.n=1: algorithm.adv_estimator=gtpo"),
         (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], r"replica size .* = 3 must tile"),
-        (["actor_rollout_ref.actor.ppo_mini_batch_size=30"], r"train_batch_size=128 must be a multiple of .*=30"),
-        (["trainer.nnodes=3"], r"32 \* 16 = 512 sequences do not split evenly over 24 data-parallel ranks"),
-        (["data.max_response_length=200000"], r"= 2048 \+ 200000 = 202048: one full sequence must fit"),
+        (["actor_rollout_ref.actor.ppo_mini_batch_size=256"], r"ppo_mini_batch_size=256 > data.train_batch_size=128"),
+        (["trainer.nnodes=3"], r"= 512 responses per mini-batch do not split evenly over .*: 24 data-parallel ranks"),
+        (["data.max_response_length=200000"], r"less than one full sequence of .*= 202048 tokens"),
         (["actor_rollout_ref.rollout.gpu_memory_utilization=1.5"], r"gpu_memory_utilization=1.5"),
         (["algorithm.adv_estimator=no_such_estimator"], r"adv_estimator=no_such_estimator: not registered"),
         (["actor_rollout_ref.actor.policy_loss.loss_mode=no_such_loss"], r"loss_mode=no_such_loss: not registered"),
@@ -140,7 +143,7 @@ def test_rejects_overlong_buffer_trap(monkeypatch, overrides, match):
                 "actor_rollout_ref.actor.use_dynamic_bsz=false",
                 "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false",
             ],
-            r"ppo_micro_batch_size_per_gpu=None must be set",
+            r"Please set at least one of 'actor.ppo_micro_batch_size' or 'actor.ppo_micro_batch_size_per_gpu'",
         ),
         (["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false"], r"log_prob_use_dynamic_bsz=False must equal"),
         (["actor_rollout_ref.rollout.name=???"], r"left unset .*actor_rollout_ref.rollout.name"),
@@ -321,7 +324,7 @@ def entry_point(monkeypatch, capsys):
 
 @pytest.mark.parametrize("full_error", ["1", None])
 def test_the_entry_point_prints_a_misspelt_key_in_one_line(entry_point, monkeypatch, full_error):
-    """With or without HYDRA_FULL_ERROR (scripts/common.sh exports 1): one line and CONFIG_ERROR_EXIT, before any
+    """With or without HYDRA_FULL_ERROR (the launcher exports 1): one line and CONFIG_ERROR_EXIT, before any
     check or Ray; GTPO_TRACEBACK=1 gives Hydra's exception itself."""
     from hydra.errors import ConfigCompositionException
 

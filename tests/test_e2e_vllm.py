@@ -101,6 +101,8 @@ CPU_REPLACED = {
     "algorithm.use_kl_in_reward": "no reference model on CPU",
     "algorithm.watchdog": "CPU stage deadlines",
     # a two-step test run
+    "trainer.experiment_name": "the run's name follows the overrides that change the algorithm (the CPU backend's)",
+    "actor_rollout_ref.rollout.trace.experiment_name": "the run's name (interpolated)",
     "trainer.total_training_steps": "test length",
     "trainer.val_before_train": "test length",
     "trainer.test_freq": "test length",

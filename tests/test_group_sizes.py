@@ -39,13 +39,13 @@ def test_no_responses_per_group_is_refused_and_an_empty_batch_logs_zeros():
 
 
 def test_bad_knob_values_are_refused_with_the_key():
-    from gtpo.launch.validation import load_all_knobs
+    from gtpo.methods import knob
 
     with pytest.raises(ValueError, match=r"algorithm.groups.refuse_short"):
-        load_all_knobs(OmegaConf.create({"groups": {"refuse_short": "yes"}}))
+        knob(OmegaConf.create({"groups": {"refuse_short": "yes"}}), "groups")
     with pytest.raises(ValueError, match=r"algorithm.groups"):
-        load_all_knobs(OmegaConf.create({"groups": {"refuse_shrt": True}}))
-    assert load_all_knobs(OmegaConf.create({}))["groups"] == GroupParams(refuse_short=False)
+        knob(OmegaConf.create({"groups": {"refuse_shrt": True}}), "groups")
+    assert knob(OmegaConf.create({}), "groups") == GroupParams(refuse_short=False)
 
 
 @pytest.mark.parametrize("method", ["gtpo", "grpo_s", "gtpo_traj"])

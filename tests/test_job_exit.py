@@ -1,4 +1,4 @@
-"""A Ray job's driver status reaches the shell that submitted it (scripts/common.sh job mode, gtpo/launch/job_exit.py).
+"""A Ray job's driver status reaches the shell that submitted it (the launcher's job mode, gtpo/launch/job_exit.py).
 
     .venv/bin/python -m pytest -q tests/test_job_exit.py          # GTPO_SLOW_TESTS=1 for the real cluster
 

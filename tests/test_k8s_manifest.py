@@ -794,7 +794,7 @@ def test_7b_asks_one_worker_of_8_gpus_and_runs_the_7b_launcher(job_7b):
     assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == "8"
     launchers = re.findall(r"/workspace/gtpo/(scripts/run_\w+_qwen2\.5_\w+\.sh)", spec["entrypoint"])
     assert launchers == ["scripts/run_gtpo_qwen2.5_7b.sh"], spec["entrypoint"]
-    assert "model_preset=qwen2.5_7b" in (REPO / launchers[0]).read_text()
+    assert " gtpo qwen2.5_7b " in (REPO / launchers[0]).read_text()  # the wrapper hands run.sh its method and model
     env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
     # the 7B preset's cluster shape (configs/model/qwen2.5_7b.yaml) is the job's
     preset = yaml.safe_load((REPO / "configs" / "model" / "qwen2.5_7b.yaml").read_text())["trainer"]

@@ -1,4 +1,5 @@
-"""scripts/common.sh on a cluster: path rules, the job runtime env, preflight dispatch, the launch environment.
+"""The launcher on a cluster (gtpo/launch/submit.py): path rules, the job runtime env, preflight dispatch, the launch
+environment.
 
     .venv/bin/pytest -q tests/test_launch_infra.py
 
@@ -15,13 +16,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.support.launch import fake_tools
+from tests.support.launch import REAL_LAUNCHER, fake_tools
 
 REPO = Path(__file__).resolve().parents[1]
 LOG_DIRS = ("VERL_FILE_LOGGER_ROOT", "TENSORBOARD_DIR", "WANDB_DIR")
@@ -37,8 +37,7 @@ def launch(tmp_path):
     bin_dir, log = fake_tools(tmp_path)  # the shared fake `ray`; the fake python below also records variables
     env_dump = " ".join(f"{v}=${{{v}-unset}}" for v in RECORDED)
     (bin_dir / "fakepython").write_text(
-        f'#!/usr/bin/env bash\nif [[ "$1" == - ]]; then exec {sys.executable} "$@"; fi\n'
-        f'printf "python %s | {env_dump}\\n" "$*" >> "$FAKE_LOG"\n'
+        "#!/usr/bin/env bash\n" + REAL_LAUNCHER + f'printf "python %s | {env_dump}\\n" "$*" >> "$FAKE_LOG"\n'
     )
     home = tmp_path / "home" / "alice"
     home.mkdir(parents=True)
@@ -194,7 +193,7 @@ def test_runtime_env_holds_only_named_variables(launch):
     assert proc.returncode == 0, proc.stderr[-3000:]
     base = yaml.safe_load((REPO / "recipe" / "gtpo" / "runtime_env.yaml").read_text())["env_vars"]
     # The file's variables, the plugin, the log folders, and the default ENV_PASSTHROUGH names this shell has set.
-    named = {"VERL_USE_EXTERNAL_MODULES", "WANDB_PROJECT", "HF_HUB_OFFLINE", *LOG_DIRS}
+    named = {"VERL_USE_EXTERNAL_MODULES", "WANDB_PROJECT", "HF_HUB_OFFLINE", "GTPO_RUN", *LOG_DIRS}
     assert set(runtime_env["env_vars"]) == set(base) | named
     assert runtime_env["env_vars"]["WANDB_PROJECT"] == "gtpo-runs" and runtime_env["env_vars"]["HF_HUB_OFFLINE"] == "1"
     ckpts = "/shared/verl/ckpts/gtpo-reproduction/gtpo-qwen2.5-32b"
@@ -223,7 +222,7 @@ def test_preflight_runs_the_preflight_module(launch, extra):
     call = calls[0]
     module = call.split(" -m ", 1)[1].split()[0]
     assert module == "gtpo.launch.preflight"
-    assert "method=gtpo" in call and "trainer.nnodes=1" in call
+    assert "method=gtpo" in call and "model=qwen2.5_7b" in call
 
 
 def test_local_launch_environment(launch):
@@ -255,3 +254,8 @@ def test_driver_hands_its_log_folders_to_ray(monkeypatch):
     forward_log_dirs(cfg)
     env_vars = OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env.env_vars)
     assert env_vars == {"TENSORBOARD_DIR": "/cfg/tb", "VERL_FILE_LOGGER_ROOT": "/shared/ckpts/logs"}
+    # verl's own config has a runtime env without env_vars: the block is made, and what goes into it stays
+    cfg = OmegaConf.create({"ray_kwargs": {"ray_init": {"runtime_env": {"py_executable": None}}}})
+    OmegaConf.set_struct(cfg, True)
+    forward_log_dirs(cfg)
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_ROOT == "/shared/ckpts/logs"

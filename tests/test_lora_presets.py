@@ -1,6 +1,6 @@
 """The one-GPU LoRA presets (configs/adapter/lora.yaml, configs/adapter/model/lora_<model>.yaml) and their launchers,
-scripts/run_gtpo_qwen2.5_{3b,7b}_lora.sh: what they resolve to, the dry run they pass, and every method composing
-with adapter=lora.
+scripts/run_gtpo_<model>_lora.sh: what they resolve to, the dry run they pass, every method composing with
+adapter=lora, and a model without its piece refused by name.
 
     .venv/bin/python -m pytest -q tests/test_lora_presets.py
 """
@@ -13,11 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from gtpo.launch.runs import CONFIGS, missing_piece, presets, read_preset
+from gtpo.methods import METHODS
 from tests.support.configs import compose
-from tests.support.launch import dry_run_env, resolved_config, script_path
+from tests.support.e2e import REPO_ROOT
+from tests.support.launch import dry_run_env, resolved_config
 
-SIZES = {"3b": "Qwen2.5-3B", "7b": "Qwen2.5-7B"}
-METHODS = ("grpo", "dapo", "dapo_forking", "gtpo", "grpo_s", "gtpo_traj")
+# The models the adapter is sized for, and the folder name of each (the model preset's hub id).
+LORA_MODELS = sorted(p.stem.removeprefix("lora_") for p in (CONFIGS / "adapter" / "model").glob("lora_*.yaml"))
+FOLDERS = {m: read_preset("model", m)["actor_rollout_ref"]["model"]["path"].rpartition("/")[2] for m in LORA_MODELS}
 
 
 @pytest.fixture(scope="module")
@@ -25,24 +29,24 @@ def dry_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     tmp = tmp_path_factory.mktemp("lora_dry")
     env = dry_run_env(tmp)
 
-    def run(size):
-        cmd = ["bash", str(script_path("gtpo", f"{size}_lora"))]
-        return size, subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    def run(model):
+        cmd = ["bash", str(REPO_ROOT / "scripts" / f"run_gtpo_{model}_lora.sh")]
+        return model, subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(run, SIZES))
+        return dict(pool.map(run, LORA_MODELS))
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_the_lora_launcher_dry_run_is_one_gpu_with_the_papers_adapter(dry_runs, size):
-    result = dry_runs[size]
+@pytest.mark.parametrize("model", LORA_MODELS)
+def test_the_lora_launcher_dry_run_is_one_gpu_with_the_papers_adapter(dry_runs, model):
+    result, model_name = dry_runs[model], model
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert "[dry run] OK" in result.stdout
     cfg = resolved_config(result.stdout)
     model, actor, rollout = (cfg["actor_rollout_ref"][k] for k in ("model", "actor", "rollout"))
     assert (cfg["trainer"]["nnodes"], cfg["trainer"]["n_gpus_per_node"]) == (1, 1)
     assert (model["lora_rank"], model["lora_alpha"], model["target_modules"]) == (128, 128, "all-linear")
-    assert model["path"].endswith(f"/models/{SIZES[size]}")
+    assert model["path"].endswith(f"/models/{FOLDERS[model_name]}")
     assert actor["optim"]["lr"] == pytest.approx(1e-5) and actor["fsdp_config"]["param_offload"] is True
     assert (rollout["load_format"], rollout["layered_summon"], rollout["tensor_model_parallel_size"]) == (
         "safetensors",
@@ -61,11 +65,22 @@ def test_the_lora_launcher_dry_run_is_one_gpu_with_the_papers_adapter(dry_runs, 
     assert "vLLM (tp=1): bf16 weights" in result.stdout
 
 
+@pytest.mark.parametrize("model", LORA_MODELS)
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_composes_with_the_lora_adapter(method):
-    cfg = compose([f"method={method}", "model=qwen2.5_3b", "adapter=lora"])
+def test_every_method_composes_with_the_lora_adapter(method, model):
+    cfg = compose([f"method={method}", f"model={model}", "adapter=lora"])
+    piece = read_preset("adapter/model", f"lora_{model}")["actor_rollout_ref"]["actor"]["ppo_max_token_len_per_gpu"]
     assert cfg.actor_rollout_ref.model.lora_rank == 128 and cfg.trainer.n_gpus_per_node == 1
-    assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 6144  # the 3B one-GPU piece
+    assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == piece  # the model's one-GPU piece
+
+
+@pytest.mark.parametrize("model", sorted(set(presets("model")) - set(LORA_MODELS)))
+def test_a_model_without_its_lora_piece_is_refused_by_name(model):
+    """The piece is `optional` in the recipe's defaults list: Hydra would compose without it, silently."""
+    assert missing_piece("adapter", "lora", model) == (
+        f"model={model} with adapter=lora: no per-model piece configs/adapter/model/lora_{model}.yaml (the adapter "
+        f"is sized per model; it has pieces for {', '.join(LORA_MODELS)})"
+    )
 
 
 def test_an_unknown_adapter_is_refused_at_composition():

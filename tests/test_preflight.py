@@ -177,7 +177,7 @@ def _break_file(path: Path) -> None:
 @pytest.mark.parametrize(
     "item,overrides,expect",
     [
-        ("config", ["actor_rollout_ref.actor.ppo_mini_batch_size=33"], "ppo_mini_batch_size=33"),
+        ("config", ["actor_rollout_ref.actor.ppo_mini_batch_size=256"], "ppo_mini_batch_size=256 > data.train_batch"),
         ("train data", ["data.train_files=/nonexistent/train.parquet"], "/nonexistent/train.parquet does not exist"),
         ("val data", ["data.prompt_key=question"], None),  # train data fails first unless the column exists there
         ("model", ["actor_rollout_ref.model.path=Qwen/Qwen2.5-7B"], "is not a local folder"),

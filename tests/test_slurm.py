@@ -211,6 +211,8 @@ LAUNCH_ENV = (
     "SUBMIT_MODE",
     "NNODES",
     "NGPUS_PER_NODE",
+    "ALLOCATION_NNODES",
+    "ALLOCATION_GPUS_PER_NODE",
     "VERL_USE_EXTERNAL_MODULES",
     "PYTHONPATH",
     "PYTHONNOUSERSITE",
@@ -370,7 +372,9 @@ def test_head_first_workers_join_driver_on_head(tmp_path):
         srun_driver = argv(records[i - 1])
         assert records[i - 1][0] == "srun" and "--overlap" in srun_driver and f"--nodelist={NODES[0]}" in srun_driver
         assert seen["RAY_ADDRESS"] == "10.1.2.1:6379" and seen["SUBMIT_MODE"] == "local"
-        assert seen["NNODES"] == "3" and seen["NGPUS_PER_NODE"] == "8"
+        # the allocation, for the launcher to hold the run's own counts to; no count of its own
+        assert seen["ALLOCATION_NNODES"] == "3" and seen["ALLOCATION_GPUS_PER_NODE"] == "8"
+        assert seen["NNODES"] == "<unset>" and seen["NGPUS_PER_NODE"] == "<unset>"
         assert rest == ["trainer.total_epochs=1", "+extra=a b"]
     assert "gtpo.verl_plugin.register" in env["VERL_USE_EXTERNAL_MODULES"].split(",")
     # The checkout only on the path; no ~/.local packages; offline hub; NCCL setting of every launch path.
@@ -552,20 +556,30 @@ def test_single_node_job(tmp_path):
     proc, records = run_sbatch(tmp_path, FAKE_NODES=NODES[0], SLURM_JOB_NODELIST=NODES[0])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(ray_starts(records)) == 1
-    assert [env["NNODES"] for _, env, _ in launches(records)] == ["1", "1"]
+    assert [env["ALLOCATION_NNODES"] for _, env, _ in launches(records)] == ["1", "1"]
+
+
+def test_a_run_on_an_allocation_of_another_size_is_refused_naming_both(tmp_path):
+    """The 7B launcher (1 node in its model preset) on a 3-node allocation: the driver step's launcher refuses it,
+    exit 2, before the preflight or any training; NNODES=3 asks for it on purpose."""
+    proc, records = run_sbatch(tmp_path, LAUNCH_SCRIPT="scripts/run_gtpo_qwen2.5_7b.sh")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (
+        "trainer.nnodes=1 (configs/model/qwen2.5_7b.yaml) but this Slurm job gives the trainer 3 node(s) "
+        "(ALLOCATION_NNODES=3): submit it with sbatch --nodes=1, or set NNODES=3 to train on 3"
+    ) in proc.stderr
+    assert len([r for r in records if r[0] == "srun" and "--job-name=gtpo-driver" in r[-1]]) == 1  # no training
 
 
 def test_separate_async_rollout_pool_takes_its_nodes_out_of_the_allocation(tmp_path):
-    """3 nodes with a 1-node rollout pool: Ray on all 3, the trainer gets NNODES=2 (the last override wins)."""
+    """3 nodes with a 1-node rollout pool: Ray on all 3, the trainer's share is 2 nodes (the last override wins)."""
     args = ("trainer=separate_async", "actor_rollout_ref.rollout.nnodes=2", "actor_rollout_ref.rollout.nnodes=1")
     proc, records = run_sbatch(tmp_path, *args)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(ray_starts(records)) == len(NODES)
     runs = launches(records)
-    assert [env["NNODES"] for _, env, _ in runs] == ["2", "2"] and [env["PREFLIGHT"] for _, env, _ in runs] == [
-        "1",
-        "0",
-    ]
+    assert [env["ALLOCATION_NNODES"] for _, env, _ in runs] == ["2", "2"]
+    assert [env["PREFLIGHT"] for _, env, _ in runs] == ["1", "0"]
     assert all(rest == list(args) for _, _, rest in runs)
     assert "(trainer 2, rollout pool 1)" in proc.stdout + proc.stderr
 
@@ -773,7 +787,9 @@ def test_separate_async_pool_shares_a_single_node_where_both_fit(tmp_path, args,
                                SLURM_JOB_NODELIST=NODES[0])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = launches(records)
-    assert [(env["NNODES"], env["NGPUS_PER_NODE"]) for _, env, _ in runs] == [("1", gpus)] * 2
+    # the split the arguments asked for is the trainer's GPU count, and its share of the allocation
+    assert [(env["ALLOCATION_NNODES"], env["ALLOCATION_GPUS_PER_NODE"]) for _, env, _ in runs] == [("1", gpus)] * 2
+    assert [env["NGPUS_PER_NODE"] for _, env, _ in runs] == [gpus] * 2
     assert all(rest == ["trainer=separate_async", *args] for _, _, rest in runs)
     pool = args[1].rsplit("=", 1)[1]
     assert f"(trainer 1, rollout pool 1 x {pool} GPUs beside {gpus} of the trainer's)" in proc.stdout + proc.stderr

@@ -255,7 +255,10 @@ def test_a_shortened_time_limit_saves_requeues_and_resumes(slurm, ray_cluster, t
     env = sbatch_env(
         tmp_path, **{k: v for k, v in env.items() if k not in ("NNODES", "NGPUS_PER_NODE") and not k.startswith("RAY_")}
     )
-    env.update(LAUNCH_SCRIPT=str(LAUNCHER), GPUS_PER_NODE="2", VERL_FILE_LOGGER_PATH=str(metrics_path))
+    # two CPU "GPUs" on the job's one node: the 7B launcher's count set to the allocation's (the launcher refuses a
+    # run whose count is not the allocation's)
+    env.update(LAUNCH_SCRIPT=str(LAUNCHER), GPUS_PER_NODE="2", NGPUS_PER_NODE="2")
+    env.update(VERL_FILE_LOGGER_PATH=str(metrics_path))
     total = 5
     args = [
         "trainer=colocate_async", *cpu_args(assets), f"trainer.total_training_steps={total}",

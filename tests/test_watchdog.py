@@ -105,17 +105,17 @@ def test_zero_limit_and_nested_stages():
     ],
 )
 def test_bad_knobs_fail_at_startup_naming_the_key(values, message):
-    from gtpo.launch.validation import load_all_knobs
+    from gtpo.methods import knob
 
     with pytest.raises(ValueError, match=message):
-        load_all_knobs(OmegaConf.create({"watchdog": values}))
+        knob(OmegaConf.create({"watchdog": values}), "watchdog")
 
 
 def test_recipe_defaults_parse():
-    from gtpo.launch.validation import load_all_knobs
+    from gtpo.methods import knob
 
     cfg = OmegaConf.load(wd.__file__.replace("gtpo/trainer/guard/watchdog.py", "recipe/gtpo/config/gtpo_trainer.yaml"))
-    assert load_all_knobs(cfg.algorithm)["watchdog"] == WatchdogParams(1800, 1800, 60)
+    assert knob(cfg.algorithm, "watchdog") == WatchdogParams(1800, 1800, 60)
 
 
 # ------------------------------------------------------------------------------------------------- the hooks

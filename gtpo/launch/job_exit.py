@@ -1,4 +1,4 @@
-"""The exit status of a Ray job's driver, for the shell that ran ``ray job submit`` (scripts/common.sh, job mode).
+"""The exit status of a Ray job's driver, for the launcher that ran ``ray job submit`` (gtpo/launch/submit.py).
 
     python -m gtpo.launch.job_exit <submission id> [--address http://<head>:8265] [--cli-status N]
 
@@ -64,7 +64,8 @@ def job_exit_code(status: str, driver_exit_code: int | None, log_tail, cli_statu
 
 
 def _log_tail(client, job_id: str) -> str:
-    """The last :data:`TAIL_LINES` lines of the job's log (the whole log where the state API is not there)."""
+    """The last :data:`TAIL_LINES` lines of the job's log (the whole log where the state API is not there), through
+    the job client's private ``_do_request`` (seam ``job-exit-log-tail``, docs/architecture.md)."""
     query = urllib.parse.urlencode({"submission_id": job_id, "lines": TAIL_LINES})
     try:
         response = client._do_request("GET", f"/api/v0/logs/file?{query}", timeout=60)

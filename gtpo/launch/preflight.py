@@ -1,13 +1,13 @@
 """Preflight: what breaks a first cluster run before any GPU work, checked on the cluster in seconds.
 
-``PREFLIGHT=1 bash scripts/run_<method>_qwen2.5_<size>.sh`` (on the Ray head, inside the sbatch before training, or
-submitted as a Ray job) runs :func:`main` with the launch script's overrides instead of the trainer. The dry run
-(:mod:`gtpo.launch.dry_run`) checks arithmetic on a laptop; the preflight checks the cluster the run will
-meet, one line per check, stopping at the first failure (exit status 1):
+``PREFLIGHT=1 bash scripts/run.sh METHOD MODEL`` (or a published ``scripts/run_*.sh``; on the Ray head, inside the
+sbatch before training, or submitted as a Ray job) runs :func:`main` with the launcher's overrides instead of the
+trainer. The dry run (:mod:`gtpo.launch.dry_run`) checks arithmetic on a laptop; the preflight checks the cluster the
+run will meet, one line per check, stopping at the first failure (exit status 1):
 
-1. ``config``: the recipe's knob validation and the whole dry run (resolution, registries, batch plan, verl's
-   ``validate_config``), on the same composed config, the checkpoint engine's transport importable here
-   (cupy for ``nccl``), and no CPU test backend (``VERL_PLATFORM=cpu``, ``gtpo.cpu`` modules) unless
+1. ``config``: every check the entry point runs before Ray (:func:`gtpo.launch.checks.check_config`: resolution,
+   registries, the recipe's rules, the batch plan, verl's ``validate_config``), the checkpoint engine's transport
+   importable here (cupy for ``nccl``), and no CPU test backend (``VERL_PLATFORM=cpu``, ``gtpo.cpu`` modules) unless
    ``trainer.device=cpu``; the startup notes follow as ``note`` lines;
 2. ``overlong buffer``: with DAPO's soft overlong punishment on, ``0 < len < max_resp_len`` (else every token of
    every response is penalised);
@@ -91,7 +91,7 @@ def run_preflight(cfg: DictConfig, cluster: Any, env: dict[str, str] | None = No
         env: the environment to judge (default ``os.environ``).
         out: stream for the report (default stdout).
     """
-    from gtpo.launch.async_checks import startup_notes
+    from gtpo.launch.batch_checks import startup_notes
 
     env = dict(os.environ if env is None else env)
     out = out or sys.stdout

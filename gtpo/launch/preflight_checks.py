@@ -10,8 +10,6 @@ checkpoint folder (:func:`check_checkpoint_dir`). The checkpoint cadence and fol
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import stat
@@ -43,25 +41,25 @@ def as_list(value: Any) -> list[str]:
 
 
 def check_config(cfg: DictConfig, env: dict[str, str]) -> str:
-    from gtpo.launch.async_checks import check_checkpoint_engine
-    from gtpo.launch.driver_checks import check_cpu_backend
-    from gtpo.launch.dry_run import run_dry
-    from gtpo.launch.validation import validate_recipe_config
+    """Every check the entry point runs before Ray (:func:`gtpo.launch.checks.check_config`) and the checkpoint
+    engine's transport in this image; the line is the run's shape."""
+    from gtpo.launch.checks import check_checkpoint_engine
+    from gtpo.launch.checks import check_config as check_before_ray
+    from gtpo.launch.runs import facts
 
     try:
-        validate_recipe_config(cfg)
-        with contextlib.redirect_stdout(io.StringIO()) as out:
-            run_dry(cfg)
-        check_checkpoint_engine(cfg)
-        check_cpu_backend(cfg, env)
+        checked = check_before_ray(cfg, env)
+        check_checkpoint_engine(checked.config)
     except ValueError as err:
         raise PreflightError("config", str(err)) from None
-    summary = [line for line in out.getvalue().splitlines() if line.startswith("[dry run] resources")]
-    return summary[0].removeprefix("[dry run] resources: ") if summary else "dry run passed"
+    plan = checked.plan
+    return (
+        f"{facts(checked.config)}; ulysses sp={plan['sp']} -> dp={plan['dp']}, vLLM replicas={plan['rollout_replicas']}"
+    )
 
 
 def check_overlong(cfg: DictConfig) -> str:
-    from gtpo.launch.validation import check_overlong_shaping
+    from gtpo.launch.checks import check_overlong_shaping
 
     buffer = OmegaConf.select(cfg, "reward.reward_kwargs.overlong_buffer_cfg")
     if not buffer or not buffer.get("enable", False):

@@ -122,7 +122,7 @@ def check_cluster(cfg: DictConfig, nodes: list[dict[str, Any]], remote: bool) ->
     """The GPU nodes against the trainer's pool and, under separate_async, the standalone rollout pool: each pool's
     nodes of their own (``trainer.nnodes`` + ``rollout.nnodes`` GPU nodes), or fewer nodes that hold both side by
     side (verl checks the total only; one 8-GPU node split 4 + 4 is its fully-async examples' layout)."""
-    from gtpo.launch.batch_plan import rollout_pool
+    from gtpo.launch.batch_checks import rollout_pool
 
     trainer_nodes, want_gpus = int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node)
     pool_nodes, pool_gpus = rollout_pool(cfg) or (0, 0)

@@ -71,7 +71,7 @@ class AdvantageHandoff:
       (verl's synthetic padding rows, tagged ``is_padding``, get zero advantage and stay out of the statistics); every
       other estimator (``grpo``, ``gae``, ...) runs verl's method unchanged;
     * ``_update_actor``: the forking loss's ``scope=batch`` threshold, a quantile of the old-policy entropy over the
-      batch, handed to the workers' loss in ``batch.extra_info``;
+      batch, handed to the workers' loss in ``batch.extra_info`` (seam ``forking-loss``);
     * ``on_init_end``: the actor loss installed in the workers (:func:`gtpo.verl_plugin.actor_loss.install`).
 
     Each estimator call logs what it saw: ``<estimator>/estimator_rows``, ``estimator_groups``,

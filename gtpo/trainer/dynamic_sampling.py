@@ -42,7 +42,8 @@ class BoundedDapoReplayBuffer(ReplayBuffer):
 
     @classmethod
     def from_replay_buffer(cls, buffer: ReplayBuffer, max_num_gen_batches: int) -> BoundedDapoReplayBuffer:
-        """Turn an already-built sync ``ReplayBuffer`` (verl's ``_build_replay_buffer`` output) into this class."""
+        """Turn an already-built sync ``ReplayBuffer`` (verl's ``_build_replay_buffer`` output) into this class: its
+        ``__dict__`` as ``ReplayBuffer.__init__`` set it (seam ``dapo-round-limit``, docs/architecture.md)."""
         if type(buffer) is not ReplayBuffer:
             raise ValueError(
                 f"max_num_gen_batches can only bound verl's sync ReplayBuffer, got {type(buffer).__name__} "

@@ -18,10 +18,10 @@ the entropy recomputed by verl's old-log-prob pass, of the policy about to be up
 whole response; under ``separate_async`` the version saved at the start of the ``parameter_sync_step`` cycle).
 
 One verl 0.9.1 defect is worked around here: ``PPOTrainerSeparateAsync._setup`` logs the ``hybrid_engine=false`` case
-(the recipe's separate_async preset: no colocated replicas) with ``logger.info(..., flush=True)``
-(``verl/trainer/ppo/v1/trainer_separate_async.py:181-185``), which the standard library's ``Logger`` refuses with a
-``TypeError``: without the workaround (verl's module ``logger`` is a :class:`FlushDroppingAdapter` while ``_setup``
-runs; the row ``separate-async-flush`` of the Seams table in ``docs/architecture.md``) that mode cannot start.
+(the recipe's separate_async preset: no colocated replicas) with ``logger.info(..., flush=True)``, which the standard
+library's ``Logger`` refuses with a ``TypeError``: without the workaround (verl's module ``logger`` is a
+:class:`FlushDroppingAdapter` while ``_setup`` runs; the row ``separate-async-flush`` of the Seams table in
+``docs/architecture.md``) that mode cannot start.
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@
     python -m recipe.gtpo.main_gtpo method=gtpo model=qwen2.5_7b data.train_files=... [overrides]
     DRY_RUN=1 python -m recipe.gtpo.main_gtpo ...   # resolve + validate + print, no Ray, no GPU
 
-Compared with ``verl.trainer.main_ppo`` this entry point (1) validates the recipe's knob blocks before anything
-is allocated, (2) puts ``gtpo.verl_plugin.register`` into ``VERL_USE_EXTERNAL_MODULES`` of the Ray runtime env, so
-multi-node workers that do not inherit the driver's shell still register the estimators, losses and trainer
-mode, and copies the driver's log folders (:data:`LOG_DIR_VARS`) there too, so the TaskRunner writes its logs where
-the launcher put them, and (3) runs a TaskRunner that imports the plugin itself before building the trainer.
+Compared with ``verl.trainer.main_ppo`` this entry point (1) runs every check before Ray starts
+(:mod:`gtpo.launch.checks`), (2) puts ``gtpo.verl_plugin.register`` into ``VERL_USE_EXTERNAL_MODULES`` of the Ray
+runtime env, so multi-node workers that do not inherit the driver's shell still register the estimators, losses and
+trainer mode, and copies the driver's log folders (:data:`LOG_DIR_VARS`) there too, so the TaskRunner writes its
+logs where the launcher put them, and (3) runs a TaskRunner that imports the plugin itself before building the
+trainer.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import hydra
 import ray
 from omegaconf import DictConfig, open_dict
 from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
-from verl.trainer.ppo.utils import need_critic, need_reference_policy
-from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
+from gtpo.launch.launcher import PLUGIN_MODULE
+from gtpo.launch.submit import LOG_DIR_VARS
 from gtpo.methods import knob
 from gtpo.trainer.guard.watchdog import EXIT_CODE as STALLED_EXIT
 from gtpo.trainer.guard.watchdog import StageTimeoutError
@@ -35,13 +36,8 @@ from gtpo.trainer.preemption.stop import EXIT_CODE as PREEMPTED_EXIT
 from gtpo.trainer.preemption.stop import PreemptedError
 from gtpo.verl_plugin.config import merge_module_list
 
-PLUGIN_MODULE = "gtpo.verl_plugin.register"
 # Exit status of a configuration refused before Ray starts (GTPO_TRACEBACK=1 raises it with its traceback instead).
 CONFIG_ERROR_EXIT = 2
-# Where verl's file logger, TensorBoard and W&B write (scripts/common.sh sets them under CKPTS_DIR). The TaskRunner
-# writes the logs; on a running cluster it sees the runtime env, not the driver's shell, and verl's relative
-# defaults would put the logs in its node's scratch copy of the working directory.
-LOG_DIR_VARS = ("VERL_FILE_LOGGER_ROOT", "VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_DIR")
 # The job's end for algorithm.preemption.deadline=auto, read by the trainer wherever the TaskRunner runs.
 DEADLINE_VARS = ("SLURM_JOB_ID", "SLURM_JOB_END_TIME")
 # Seconds the driver waits for the GCS port of the cluster Ray recorded last (a live one answers at once).
@@ -50,15 +46,25 @@ RECORDED_CLUSTER_PROBE_S = 2.0
 logger = logging.getLogger(__name__)
 
 
+def _runtime_env_vars(config: DictConfig) -> DictConfig:
+    """``ray_kwargs.ray_init.runtime_env.env_vars``, created where missing (a DictConfig's ``setdefault`` returns the
+    plain default it stored, not the node, so writes into it would be lost)."""
+    node = config.ray_kwargs
+    with open_dict(config):
+        for key in ("ray_init", "runtime_env", "env_vars"):
+            if node.get(key) is None:
+                node[key] = {}
+            node = node[key]
+    return node
+
+
 def add_plugin_to_runtime_env(config: DictConfig) -> None:
     """Make ``VERL_USE_EXTERNAL_MODULES`` in the Ray runtime env (and this process) include the plugin.
 
     Keeps whatever modules the user or the runtime env already lists (e.g. the CPU backend's).
     """
+    env_vars = _runtime_env_vars(config)
     with open_dict(config):
-        ray_init = config.ray_kwargs.setdefault("ray_init", {})
-        runtime_env = ray_init.setdefault("runtime_env", {})
-        env_vars = runtime_env.setdefault("env_vars", {})
         modules = merge_module_list(
             env_vars.get("VERL_USE_EXTERNAL_MODULES"), os.environ.get("VERL_USE_EXTERNAL_MODULES"), PLUGIN_MODULE
         )
@@ -69,9 +75,8 @@ def add_plugin_to_runtime_env(config: DictConfig) -> None:
 def forward_log_dirs(config: DictConfig) -> None:
     """Copy the :data:`LOG_DIR_VARS` and :data:`DEADLINE_VARS` set in this process into the Ray runtime env, unless the
     runtime env sets them."""
+    env_vars = _runtime_env_vars(config)
     with open_dict(config):
-        ray_init = config.ray_kwargs.setdefault("ray_init", {})
-        env_vars = ray_init.setdefault("runtime_env", {}).setdefault("env_vars", {})
         for name in LOG_DIR_VARS + DEADLINE_VARS:
             if os.environ.get(name) and not env_vars.get(name):
                 env_vars[name] = os.environ[name]
@@ -122,36 +127,30 @@ def skip_dead_recorded_cluster(config: DictConfig) -> str | None:
     return line
 
 
-def prepare_config(config: DictConfig, dry_run: bool = False) -> None:
-    """Everything that must pass before Ray starts: recipe knobs, verl's own validation, no CPU test backend on a
-    GPU run, the plugin env and the log folders.
+def prepare_config(config: DictConfig, dry_run: bool = False):
+    """Everything that must pass before Ray starts (:func:`gtpo.launch.checks.check_config`, once), then the plugin
+    env and the log folders; returns what the checks found, which the dry run prints.
 
     A real run (``dry_run=False``) also starts a new local Ray instead of joining a dead recorded cluster
-    (:func:`skip_dead_recorded_cluster`), checks that a driver joining a running cluster carries its Ray token,
-    that this environment imports the checkpoint engine's transport (cupy for ``nccl``), that a resume finds its
-    checkpoint at this world size (where the driver sees the folder), and logs the startup notes; the dry run prints
-    those itself, on a machine that is usually not the cluster's image.
+    (:func:`skip_dead_recorded_cluster`), checks that a driver joining a running cluster carries its Ray token, runs
+    :func:`gtpo.launch.checks.prepare_launch` (the checkpoint engine's transport, the checkpoint a resume loads, the
+    run's record in its folder) and logs the startup notes; the dry run prints those itself.
     """
-    from gtpo.launch.async_checks import check_checkpoint_engine, startup_notes, verl_mode
-    from gtpo.launch.driver_checks import check_cpu_backend, check_world_size_before_launch
+    from gtpo.launch.batch_checks import startup_notes
+    from gtpo.launch.checks import check_config, prepare_launch
     from gtpo.launch.ray_auth import check_ray_auth
-    from gtpo.launch.validation import validate_recipe_config
-    from gtpo.trainer.resume.checkpoints import layout_of
 
     auto_set_device(config)
-    check_cpu_backend(config)
-    validate_recipe_config(config)
-    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    forward_log_dirs(config)  # before the checks: the dry run prints the config they resolved
+    checked = check_config(config)
     if not dry_run:
         skip_dead_recorded_cluster(config)
         check_ray_auth()
-        check_checkpoint_engine(config)
-        async_mode = verl_mode(str(config.trainer.v1.trainer_mode)) != "sync"
-        check_world_size_before_launch(config, layout_of(config, need_critic(config), async_mode))
-        for note in startup_notes(config):
+        prepare_launch(config, checked)
+        for note in startup_notes(checked.config):
             logger.warning("gtpo: %s", note)
     add_plugin_to_runtime_env(config)
-    forward_log_dirs(config)
+    return checked
 
 
 def _dry_run_requested() -> bool:
@@ -160,16 +159,16 @@ def _dry_run_requested() -> bool:
 
 @hydra.main(config_path="config", config_name="gtpo_trainer", version_base=None)
 def run_recipe(config: DictConfig) -> None:
-    """The composed config: checked (and, under DRY_RUN, resolved and printed by gtpo.launch.dry_run), then trained."""
+    """The composed config: checked (and, under DRY_RUN, printed by gtpo.launch.dry_run), then trained."""
     import gtpo.verl_plugin.register  # noqa: F401  (registers in the driver too: validation looks names up)
 
     dry_run = _dry_run_requested()
     try:
-        prepare_config(config, dry_run=dry_run)
+        checked = prepare_config(config, dry_run=dry_run)
         if dry_run:
             from gtpo.launch.dry_run import run_dry
 
-            run_dry(config)
+            run_dry(config, checked)
     except ValueError as err:
         # a bad value on the command line or in a preset: one line naming it, no traceback unless asked for
         if os.environ.get("GTPO_TRACEBACK", "0") == "1":

@@ -1,5 +1,6 @@
-"""The launch scripts under test: dry runs of scripts/run_<method>_qwen2.5_<size>.sh, fake ``ray`` / ``python``
-tools that record how a script calls them, and the 7B launcher's arguments and environment for a run on CPU.
+"""The launchers under test: dry runs of scripts/run.sh and the published scripts/run_<method>_<model>.sh, fake
+``ray`` / ``python`` tools that record how the launcher calls them, and the 7B launcher's arguments and environment
+for a run on CPU.
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ CPU_ARGS = [
 
 
 def script_path(method: str, size: str) -> Path:
+    """The published ``scripts/run_<method>_qwen2.5_<size>.sh``."""
     return REPO_ROOT / "scripts" / f"run_{method}_qwen2.5_{size}.sh"
+
+
+# A fake interpreter's first lines: the launcher itself (`-m gtpo.launch`) and inline scripts run for real.
+REAL_LAUNCHER = f'if [[ "$1" == - || "$1 $2" == "-m gtpo.launch" ]]; then exec {sys.executable} "$@"; fi\n'
 
 
 def dry_run_env(tmp: Path) -> dict[str, str]:
@@ -69,7 +75,8 @@ def resolved_config(stdout: str) -> dict:
 
 
 def fake_tools(tmp_path: Path) -> tuple[Path, Path]:
-    """A fake `ray` (records argv and the runtime env it was handed) and a fake python (records argv)."""
+    """A fake `ray` (records argv and the runtime env it was handed) and a fake python (records argv; runs the
+    launcher itself)."""
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
     (bin_dir / "ray").write_text(
@@ -78,8 +85,7 @@ def fake_tools(tmp_path: Path) -> tuple[Path, Path]:
         'while [[ $# -gt 0 ]]; do [[ "$1" == --runtime-env ]] && cp "$2" "$FAKE_LOG.env"; shift; done\n'
     )
     (bin_dir / "fakepython").write_text(
-        f'#!/usr/bin/env bash\nif [[ "$1" == - ]]; then exec {sys.executable} "$@"; fi\n'
-        'printf "python %s\\n" "$*" >> "$FAKE_LOG"\n'
+        "#!/usr/bin/env bash\n" + REAL_LAUNCHER + 'printf "python %s\\n" "$*" >> "$FAKE_LOG"\n'
     )
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)

@@ -15,7 +15,8 @@ class GuardHooks:
       deadline (:func:`.watchdog.watch_weight_sync`); after it, a reward worker that failed in its constructor stops
       the run with its own error (:func:`.startup_checks.check_reward_workers`);
     * ``_build_replay_buffer``: generation that stops making progress fails within ``algorithm.watchdog.generation_s``
-      (:func:`.watchdog.watch_generation`, wrapping the buffer the classes after this one built).
+      (:func:`.watchdog.watch_generation`, wrapping the buffer the classes after this one built; seam
+      ``generation-watchdog``, docs/architecture.md).
     """
 
     def on_init_end(self):

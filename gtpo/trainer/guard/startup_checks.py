@@ -7,7 +7,9 @@ reward function that does not load, any reward manager that rejects its config) 
 asked yet: the first ``compute_score_batch`` call from the agent loop fails, the agent loop marks the rollouts as
 failed, and the trainer stops at step 1 with "Sync replay buffer selected terminal groups with no materializable
 trajectories", an error that names none of this. :func:`check_reward_workers` waits for every reward worker to be
-constructed and raises the first construction error with the constructor's own traceback and message.
+constructed and raises the first construction error with the constructor's own traceback and message. It reads
+verl's ``reward_loop_workers`` and calls Ray's internal ``__ray_ready__`` (seam ``reward-worker-readiness``,
+docs/architecture.md).
 """
 
 from __future__ import annotations

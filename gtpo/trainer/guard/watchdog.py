@@ -248,7 +248,8 @@ def watchdog_of(trainer) -> StageWatchdog:
 
 def worker_handles(trainer) -> list:
     """The actor/rollout workers, and the servers and workers of every rollout replica of the trainer's checkpoint
-    managers (separate_async: also the standalone pool's), each once."""
+    managers (separate_async: also the standalone pool's), each once: attributes of verl's classes, not an API (seam
+    ``watchdog-worker-handles``, docs/architecture.md)."""
     handles = list(getattr(getattr(trainer, "actor_rollout_wg", None), "workers", None) or [])
     for manager in ("checkpoint_manager", "standalone_checkpoint_manager"):
         for replica in getattr(getattr(trainer, manager, None), "replicas", None) or []:

@@ -30,11 +30,15 @@ class ObserveHooks:
     * ``fit``, ``on_validate_begin``, ``on_train_begin``: after a resume at step N the trackers hold each step once
       (:mod:`.metric_history`), applied to verl's ``Tracking`` in whichever of the two hooks verl calls first, before
       its first log (seam ``metric-history-hooks``);
-    * ``_log_rollout_data``: verl's text dump, plus per-token dumps and the tracker heatmap;
-    * ``_val_metrics_update``: paper A's Table 1 columns and the unbiased pass@k ladder beside verl's metrics;
+    * ``_log_rollout_data``: verl's text dump, plus per-token dumps and the tracker heatmap (seam ``rollout-dump``);
+    * ``_val_metrics_update``: paper A's Table 1 columns and the unbiased pass@k ladder beside verl's metrics (seam
+      ``validation-columns``);
     * ``_compute_metrics``: verl's staleness of the shaped responses also under the estimator's prefix,
       ``<estimator>/trajectory_staleness_{mean,max}`` and ``<estimator>/trajectory_spans_max`` (0, 0 and 1 under the
-      sync trainer).
+      sync trainer; seam ``staleness-metrics``).
+
+    What the history does to verl's trackers is the seam ``tracker-internals``; each seam is a row of the Seams table
+    in docs/architecture.md.
     """
 
     def fit(self, agent_loop_manager):

@@ -22,6 +22,9 @@ once per run, with the ``Tracking`` verl builds in ``fit()`` (:meth:`MetricHisto
   values and drop the resumed ones; rewinding a run (``resume_from="<id>?_step=<N>"``) is a W&B preview feature.
 * ``console``: prints what is logged, as always; the dead attempt's lines stay in its own job log.
 
+What this touches of verl's trackers (``FileLogger.fp``, ``Tracking.logger``, ``_TensorboardAdapter.writer``) is
+the seam ``tracker-internals`` of docs/architecture.md.
+
 A fresh run (N = 0) is left as verl built it (verl empties the file log), and an aside copy of an earlier run's log
 is removed: kept, it would be taken for this run's history at this run's first resume. A validation-only run
 (``trainer.val_only=true``, e.g. ``scripts/eval_checkpoint.sh`` on an older checkpoint of a run that went on) trains

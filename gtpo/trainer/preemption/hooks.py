@@ -23,6 +23,10 @@ class StopHooks:
       that came during validation or logging saves that step first;
     * ``_validate``: skipped once the run stops;
     * ``_save_checkpoint``: every save is timed, since the deadline needs a save's duration.
+
+    Only ``on_step_begin`` and ``on_step_end`` are hooks verl declares; the rest, the save called from outside and the
+    skipped ``on_step_end`` rely on the order of the steps in verl's ``fit`` (seam ``preemption-step-hooks``,
+    docs/architecture.md).
     """
 
     def fit(self, agent_loop_manager):

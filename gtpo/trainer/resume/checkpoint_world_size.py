@@ -3,7 +3,7 @@ with ``algorithm.resume.other_world_size=refuse``, is refused), before any worke
 
 A checkpoint saved by ``W`` ranks cannot be loaded by another number as it is: each of verl's workers loads the files
 named with the run's world size and its own rank. :func:`match_resume_world_size` (called by the driver before Ray
-starts, :func:`gtpo.launch.driver_checks.check_world_size_before_launch`, where it sees the folder, and by the
+starts, :func:`gtpo.launch.checks.check_world_size_before_launch`, where it sees the folder, and by the
 trainer before its workers load) leaves a checkpoint of the run's size alone and otherwise:
 
 * ``reshard`` (the default): first refuses what cannot be resharded, naming why (:func:`reshard_problems`: a critic

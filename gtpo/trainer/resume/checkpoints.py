@@ -34,6 +34,8 @@ A folder whose ``actor/`` verl's ``max_actor_ckpt_to_keep`` removed is not compl
 * a tracker but no complete folder: refused (``RuntimeError`` naming the folder and what each candidate lacks),
   since starting over would silently discard a run that did checkpoint.
 
+verl's tracker, its lookup and its folders are the seam ``resume-tracker`` of docs/architecture.md.
+
 **World size.** A checkpoint saved by ``W`` ranks cannot be loaded by another number:
 :mod:`gtpo.trainer.resume.checkpoint_world_size` refuses such a resume before any worker loads.
 

@@ -23,6 +23,8 @@ class ResumeHooks:
       a checkpoint of another world size resharded (or refused) before any worker loads
       (:mod:`.checkpoint_world_size`), then the recipe's state restored.
 
+    The tracker file, verl's lookup and the pruned folders are the seam ``resume-tracker`` (docs/architecture.md).
+
     ``recipe_state`` is the trainer's cross-step state, one block per stateful method (:func:`.checkpoint_state.
     new_state`); the advantage hand-off lends each estimator its block.
     """

@@ -1,0 +1,398 @@
+"""Every check that runs before Ray starts, on the composed config and the driver's environment.
+
+:func:`check_config` is the one list the entry point (real runs and ``DRY_RUN=1``) and the preflight run, once and
+without side effects; the batch arithmetic it runs is :mod:`gtpo.launch.batch_checks`. :func:`prepare_launch` adds a
+real run's checks with side effects. The trainer's own checks are :mod:`gtpo.trainer.guard.startup_checks`. A refusal
+is a ``ValueError`` (``RuntimeError`` for a folder others could write) naming the key, its value and what is valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import io
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from gtpo.launch.batch_checks import batch_plan, ulysses_size, verl_mode
+from gtpo.methods import ENTROPY, KNOBS, METHODS, entropy_available, fields_needed, knob, recipe_estimator
+
+__all__ = ["Checked", "check_config", "check_cpu_backend", "check_overlong_shaping",
+           "check_world_size_before_launch", "prepare_launch", "validate_recipe_config"]  # fmt: skip
+
+# Attention implementations verl's Ulysses all-to-all wraps, and the CPU backend's SDPA that does the same.
+ULYSSES_ATTENTION = ("flash_attention_2", "flash_attention_3", "gtpo_cpu_sdpa")
+# Checkpoint-engine backend -> the modules its verl engine imports, and where they come from.
+ENGINE_MODULES = {"nccl": ("cupy",), "nixl": ("cupy", "nixl"), "mooncake": ("mooncake",)}
+MODULE_PACKAGES = {"cupy": "cupy-cuda13x", "nixl": "nixl", "mooncake": "mooncake-transfer-engine"}
+# The CPU test backend's package; the config key of the environment verl's Ray processes get.
+CPU_BACKEND_PACKAGE = "gtpo.cpu"
+RUNTIME_ENV_VARS_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"
+
+
+def _get(config: Any, key: str, default: Any = None) -> Any:
+    return OmegaConf.select(config, key, default=default)
+
+
+def resolved_copy(config: DictConfig) -> DictConfig:
+    """A resolved deep copy; an interpolation that fails or a ``???`` left unset (in a section in use) is refused."""
+    cfg = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
+    try:
+        OmegaConf.resolve(cfg)
+    except Exception as err:  # omegaconf raises several interpolation error types
+        raise ValueError(f"configuration does not resolve: {err}") from None
+    off = {"reward.reward_model.": not _get(cfg, "reward.reward_model.enable", False),
+           "distillation.": not _get(cfg, "distillation.enabled", False)}  # fmt: skip
+    missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not any(k.startswith(p) and o for p, o in off.items()))
+    if missing:
+        raise ValueError(f"mandatory value(s) left unset ('???'): {', '.join(missing)}")
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def check_registries(config: DictConfig) -> None:
+    """The estimator, the policy loss and the trainer mode are registered in this process."""
+    from verl.trainer.ppo import core_algos
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    hint = "is the plugin imported? set VERL_USE_EXTERNAL_MODULES=gtpo.verl_plugin.register"
+    named = [("algorithm.adv_estimator", core_algos.ADV_ESTIMATOR_REGISTRY),
+             ("actor_rollout_ref.actor.policy_loss.loss_mode", core_algos.POLICY_LOSS_REGISTRY),
+             ("trainer.v1.trainer_mode", TRAINER_REGISTRY)]  # fmt: skip
+    for key, registry in named:
+        value = str(_get(config, key, "vanilla"))
+        if value not in registry:
+            raise ValueError(f"{key}={value}: not registered ({hint}); known: {sorted(registry)}")
+
+
+def check_overlong_shaping(config: DictConfig) -> None:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, Sec. 3.4) ramps over the last ``len`` tokens of
+    ``max_resp_len``, the response length: ``0 < len < max_resp_len``, else every response is punished."""
+    kwargs = _get(config, "reward.reward_kwargs") or {}
+    buffer = kwargs.get("overlong_buffer_cfg", None) or {}
+    if not buffer.get("enable", False):
+        return
+    buffer_key, max_key = "reward.reward_kwargs.overlong_buffer_cfg.len", "reward.reward_kwargs.max_resp_len"
+    buffer_len, max_len = buffer.get("len", None), kwargs.get("max_resp_len", None)
+    for key, value in ((buffer_key, buffer_len), (max_key, max_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}={value!r}: must be a positive integer (token count)")
+    if buffer_len >= max_len:
+        raise ValueError(
+            f"{buffer_key}={buffer_len} >= {max_key}={max_len}: the overlong penalty would start at token "
+            f"{max_len - buffer_len}, i.e. penalise every response; choose a buffer shorter than the response length "
+            "(DAPO: 4096 of 20480; the recipe's presets use 1024 at 4096)"
+        )
+    if max_len != _get(config, "data.max_response_length"):
+        raise ValueError(
+            f"{max_key}={max_len} != data.max_response_length={_get(config, 'data.max_response_length')}: the "
+            "overlong penalty must end where the rollout truncates (the presets set it to ${data.max_response_length})"
+        )
+
+
+def check_checkpoint_saves(config: DictConfig) -> None:
+    """No asynchronous save on an FSDP actor: verl then writes no ``latest_checkpointed_iteration.txt`` (only
+    Megatron's checkpoint manager saves asynchronously), so no checkpoint could be resumed."""
+    if not (_get(config, "trainer.save_freq", -1) or -1) > 0:
+        return
+    actor = config.actor_rollout_ref.actor
+    strategy = str(actor.get("strategy", "fsdp"))
+    if (actor.get("checkpoint", None) or {}).get("async_save", False) and strategy != "megatron":
+        raise ValueError(
+            f"actor_rollout_ref.actor.checkpoint.async_save=true with actor.strategy={strategy}: verl then writes no "
+            "latest_checkpointed_iteration.txt, so no checkpoint could be resumed; set it to false"
+        )
+
+
+def check_sequence_parallel_attention(config: DictConfig) -> None:
+    """Ulysses only with an attention that gathers the sequence: under another each rank attends within its shard
+    and the run trains on wrong log-probs and entropies without an error."""
+    attention = str(_get(config, "actor_rollout_ref.model.override_config.attn_implementation", "flash_attention_2"))
+    for role in ("actor", "ref"):
+        key, sp = ulysses_size(config, role)
+        if sp > 1 and attention not in ULYSSES_ATTENTION:
+            raise ValueError(
+                f"{key}={sp} with actor_rollout_ref.model.override_config.attn_implementation={attention}: verl's "
+                f"Ulysses wraps only {', '.join(ULYSSES_ATTENTION[:2])}; each rank would attend within its own shard "
+                f"(use one of {', '.join(ULYSSES_ATTENTION)})"
+            )
+
+
+def check_grop_and_forking(config: DictConfig, knobs: dict[str, Any]) -> None:
+    """GROP only where an estimator applies it, ending where the rollout truncates; the forking loss's
+    ``micro_batch`` scope needs the training policy's entropy."""
+    estimator, grop, forking = str(config.algorithm.adv_estimator), knobs["grop"], knobs["forking"]
+    applying = sorted({row.adv_estimator for row in METHODS.values() if row.applies_grop})
+    if grop.enable and estimator not in applying:
+        raise ValueError(
+            f"algorithm.grop.enable=true with algorithm.adv_estimator={estimator!r}: GROP is applied by the "
+            f"{applying} estimators and would be silently ignored"
+        )
+    response_len = _get(config, "data.max_response_length")
+    if grop.enable and grop.hard_mode == "dapo" and grop.dapo_max_length != response_len:
+        raise ValueError(
+            f"algorithm.grop.dapo_max_length={grop.dapo_max_length} != data.max_response_length={response_len}: "
+            "DAPO's punishment of hard groups must end where the rollout truncates"
+        )
+    training_entropy = _get(config, "actor_rollout_ref.actor.calculate_entropy")
+    if forking.enable and forking.scope == "micro_batch" and not training_entropy:
+        raise ValueError(
+            "algorithm.forking.scope=micro_batch with actor_rollout_ref.actor.calculate_entropy=false: the training "
+            "policy's entropy selects the tokens, so the actor must compute it"
+        )
+
+
+def check_recipe_needs(config: DictConfig, forking: Any) -> None:
+    """What the run needs from the batch (:func:`gtpo.methods.fields_needed`) only the recipe's trainer modes hand
+    over, and the old policy's entropy only verl's old-log-prob pass computes (which bypass mode skips)."""
+    from gtpo.trainer.mode_names import TRAINER_MODES
+
+    algorithm, mode = config.algorithm, str(config.trainer.v1.trainer_mode)
+    estimator = str(algorithm.adv_estimator)
+    row, needs = recipe_estimator(estimator), fields_needed(algorithm)
+    who = f"algorithm.adv_estimator={estimator!r}" if row is not None else "algorithm.forking.enable=true"
+    if (row is not None or forking.enable) and mode not in TRAINER_MODES:
+        raise ValueError(
+            f"trainer.v1.trainer_mode={mode!r}: {who} needs one of the recipe's trainer modes "
+            f"({', '.join(TRAINER_MODES)}: they hand the estimator its inputs and install the forking loss), e.g. "
+            "trainer=sync"
+        )
+    skipped = [field for field in needs if field == ENTROPY and not entropy_available(algorithm)]
+    if skipped:
+        if row is None or not set(skipped) & set(row.needs):
+            who = "algorithm.forking.scope=batch"
+        raise ValueError(
+            f"algorithm.rollout_correction.bypass_mode=true with {who}: it needs the old policy's "
+            f"{', '.join(skipped)}, which only verl's old-log-prob pass computes and bypass mode skips; valid: "
+            "bypass_mode=false"
+        )
+
+
+def check_verl_mode_constraints(config: DictConfig) -> None:
+    """verl's constraints per mode, which it asserts inside its TaskRunner or not at all (the batch's slices and the
+    standalone rollout pool: :mod:`gtpo.launch.batch_checks`)."""
+    trainer_mode = str(config.trainer.v1.trainer_mode)
+    mode = verl_mode(trainer_mode)
+    if mode is None:
+        return  # an unknown mode is reported by the registry check
+    if not _get(config, "actor_rollout_ref.hybrid_engine", True) and mode != "separate_async":
+        raise ValueError(
+            f"actor_rollout_ref.hybrid_engine=false with trainer.v1.trainer_mode={trainer_mode}: only separate_async "
+            "has a standalone rollout pool to serve generation"
+        )
+    rounds = _get(config, "algorithm.filter_groups.max_num_gen_batches", 0) or 0
+    if mode != "sync" and _get(config, "algorithm.filter_groups.enable", False) and rounds > 0:
+        raise ValueError(
+            f"algorithm.filter_groups.max_num_gen_batches={rounds} with trainer.v1.trainer_mode={trainer_mode}: the "
+            "round limit bounds verl's sync replay buffer only (the async buffers refill every evicted group); set "
+            "it to 0 (the async presets do)"
+        )
+    if mode != "separate_async":
+        if _get(config, "actor_rollout_ref.rollout.nnodes", 0):
+            raise ValueError(
+                f"actor_rollout_ref.rollout.nnodes={_get(config, 'actor_rollout_ref.rollout.nnodes')} with "
+                f"trainer.v1.trainer_mode={trainer_mode}: a standalone rollout pool exists only under "
+                "trainer=separate_async (this mode would leave those nodes idle); add trainer=separate_async or drop it"
+            )
+        return
+    if _get(config, "actor_rollout_ref.rollout.checkpoint_engine.backend", "naive") == "naive":
+        raise ValueError(
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=naive: separate_async sends weights to another "
+            "resource pool; use nccl (or nixl, mooncake, hccl)"
+        )
+    if _get(config, "reward.reward_model.enable", False) and not _get(
+        config, "reward.reward_model.enable_resource_pool"
+    ):
+        raise ValueError(
+            f"reward.reward_model.enable_resource_pool=false with trainer.v1.trainer_mode={trainer_mode}: the "
+            "standalone rollout never pauses to free the GPUs a colocated reward model needs"
+        )
+
+
+def validate_recipe_config(config: DictConfig) -> dict[str, Any]:
+    """The recipe's rules; returns the batch plan. Every knob block of :data:`gtpo.methods.KNOBS` is parsed, also
+    those of a method not selected: a typo in any knob fails here instead of being silently ignored."""
+    check_registries(config)
+    knobs = {block: knob(config.algorithm, block) for block in KNOBS}
+    if not config.trainer.get("use_v1", True):
+        raise ValueError("trainer.use_v1=False: the gtpo recipe runs on verl's v1 trainer only")
+    check_overlong_shaping(config)
+    check_checkpoint_saves(config)
+    check_sequence_parallel_attention(config)
+    check_grop_and_forking(config, knobs)
+    check_recipe_needs(config, knobs["forking"])
+    check_verl_mode_constraints(config)
+    return batch_plan(config)
+
+
+def check_cpu_backend(config: Any, environ: Mapping[str, str] | None = None) -> None:
+    """No CPU test backend (``VERL_PLATFORM=cpu``, a ``gtpo.cpu`` module to load, as :func:`gtpo.cpu.env` sets them)
+    unless ``trainer.device=cpu``: inherited from a test shell it would run the GPU workers on gloo, very slowly."""
+    device = str(_get(config, "trainer.device", "cuda"))
+    if device == "cpu":
+        return
+    sources = {"the environment": os.environ if environ is None else environ,
+               RUNTIME_ENV_VARS_KEY: _get(config, RUNTIME_ENV_VARS_KEY) or {}}  # fmt: skip
+    found = []
+    for where, env in sources.items():
+        platform = str(env.get("VERL_PLATFORM", "") or "")
+        if platform.strip().lower() == "cpu":
+            found.append(f"VERL_PLATFORM={platform} ({where})")
+        modules = [m.strip() for m in str(env.get("VERL_USE_EXTERNAL_MODULES", "") or "").split(",")]
+        cpu = [m for m in modules if m == CPU_BACKEND_PACKAGE or m.startswith(CPU_BACKEND_PACKAGE + ".")]
+        if cpu:
+            found.append(f"VERL_USE_EXTERNAL_MODULES with {','.join(cpu)} ({where})")
+    if found:
+        raise ValueError(
+            f"trainer.device={device} but {'; '.join(found)}: the CPU test backend (gtpo.cpu.env()) would run verl's "
+            "workers on its cpu platform with gloo-only process groups; unset these for a GPU run, or run the CPU "
+            "backend with backend=cpu_tiny (trainer.device=cpu)"
+        )
+
+
+def check_run_folder(config: DictConfig, environ: Mapping[str, str]) -> None:
+    """The checkpoint folder this run resumes from and prunes holds no other run: its record
+    (:data:`gtpo.launch.runs.RUN_RECORD`) names the method, model, adapter and algorithm overrides of this one."""
+    from gtpo.launch.runs import RUN_RECORD, described, recorded_run, run_identity
+
+    run = run_identity(environ)
+    if run is None:
+        return
+    folders = [("trainer.default_local_dir", _get(config, "trainer.default_local_dir"))]
+    if str(_get(config, "trainer.resume_mode")) == "resume_path" and _get(config, "trainer.resume_from_path"):
+        folders.append(("trainer.resume_from_path", os.path.dirname(os.path.abspath(config.trainer.resume_from_path))))
+    same = ("method", "model", "adapter", "changes")
+    for key, folder in folders:
+        recorded = recorded_run(str(folder)) if folder else None
+        if recorded is not None and [recorded.get(k) for k in same] != [run.get(k) for k in same]:
+            raise ValueError(
+                f"{key}={folder} holds the run {recorded.get('name')} ({described(recorded)}), not "
+                f"{run.get('name')} ({described(run)}): this run would resume and prune its checkpoints; choose "
+                f"another CKPTS_DIR or EXP_NAME (or remove {os.path.join(str(folder), RUN_RECORD)} to adopt the folder)"
+            )
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What :func:`check_config` found: the resolved copy, the batch plan and what verl's ``validate_config`` said."""
+
+    config: DictConfig
+    plan: dict[str, Any]
+    use_reference_policy: bool
+    use_critic: bool
+    verl_output: str
+
+
+def check_config(config: DictConfig, environ: Mapping[str, str] | None = None) -> Checked:
+    """Every check of a composed config, once, without side effects (``config`` is left untouched)."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    environ = os.environ if environ is None else environ
+    check_cpu_backend(config, environ)
+    cfg = resolved_copy(config)
+    plan = validate_recipe_config(cfg)
+    check_run_folder(cfg, environ)
+    use_ref, use_critic, out = bool(need_reference_policy(cfg)), bool(need_critic(cfg)), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            validate_config(config=cfg, use_reference_policy=use_ref, use_critic=use_critic)
+    except Exception as err:  # asserts, dataclass errors wrapped by hydra's instantiation
+        kind = "" if isinstance(err, AssertionError | ValueError) else f"{type(err).__name__}: "
+        why = " ".join(f"{kind}{err}".split())
+        raise ValueError(f"verl.utils.config.validate_config rejected the configuration: {why}") from None
+    return Checked(cfg, plan, use_ref, use_critic, out.getvalue().strip())
+
+
+def _package_spec(module: str) -> str:
+    """``cupy-cuda13x==14.0.1`` as verl's wheel pins it, else the package's name."""
+    name = MODULE_PACKAGES.get(module, module)
+    try:
+        requirements = importlib.metadata.requires("verl") or []
+    except importlib.metadata.PackageNotFoundError:
+        requirements = []
+    for requirement in requirements:
+        found = re.match(rf"{re.escape(name)}\s*(==\s*[\w.]+)", requirement)
+        if found:
+            return name + found.group(1).replace(" ", "")
+    return name
+
+
+def check_checkpoint_engine(config: DictConfig) -> None:
+    """The checkpoint engine's transport imports here (verl's workers would only say "not registered" at init)."""
+    backend = str(_get(config, "actor_rollout_ref.rollout.checkpoint_engine.backend", "naive"))
+    for module in ENGINE_MODULES.get(backend, ()):
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend}: verl's {backend} checkpoint engine "
+                f"imports {module}, which does not import here ({err}); install {_package_spec(module)} (the recipe "
+                "image, docker/Dockerfile, has it) or choose another backend"
+            ) from None
+
+
+def _refuse_unless_private(folder: str, what: str, inside: bool) -> None:
+    """``folder`` (and with ``inside`` every folder in it, no symlink) is writable by this user alone: verl loads
+    checkpoints with ``torch.load``, which runs code."""
+    from gtpo.private_files import check_private_dir
+
+    try:
+        check_private_dir(folder, what)
+        for top, dirs, _ in os.walk(folder) if inside else ():
+            for name in dirs:
+                check_private_dir(os.path.join(top, name), "a folder of the checkpoint")
+    except OSError as err:
+        raise RuntimeError(f"cannot resume: {err}") from None
+
+
+def check_world_size_before_launch(config: Any, layout: Any) -> str | None:
+    """The checkpoint a resume would load (the named one, or the tracker's when complete, else the newest complete
+    one), refused when others could plant files in it, resharded to this world size or refused
+    (:func:`gtpo.trainer.resume.checkpoint_world_size.match_resume_world_size`; the trainer checks again a folder the
+    driver does not see). Returns the folder checked, or None."""
+    from gtpo.trainer.resume.checkpoint_world_size import match_resume_world_size
+    from gtpo.trainer.resume.checkpoints import incomplete_reasons, newest_complete, read_tracker
+    from gtpo.trainer.resume.reshard import finish_interrupted_reshards
+
+    trainer = config.trainer
+    mode = str(trainer.get("resume_mode", "disable"))
+    if mode == "resume_path" and trainer.get("resume_from_path"):
+        folder = os.path.abspath(str(trainer.resume_from_path))
+    elif mode == "auto" and trainer.get("default_local_dir"):
+        root = os.path.abspath(str(trainer.default_local_dir))
+        if os.path.lexists(root):  # before reading anything in it
+            _refuse_unless_private(root, "trainer.default_local_dir", inside=False)
+            finish_interrupted_reshards(root)
+        step, _ = read_tracker(root)
+        folder = os.path.join(root, f"global_step_{step}") if step is not None else None
+        if folder is None or incomplete_reasons(folder, step, layout):
+            folder = (newest_complete(root, layout) or (None, None))[1]
+    else:
+        return None
+    if folder is None or not os.path.lexists(folder):
+        return None
+    _refuse_unless_private(folder, "trainer.resume_from_path" if mode == "resume_path" else "checkpoint", inside=True)
+    match_resume_world_size(folder, config, layout)
+    return folder
+
+
+def prepare_launch(config: DictConfig, checked: Checked, environ: Mapping[str, str] | None = None) -> None:
+    """A real run's checks with side effects, after :func:`check_config`: the checkpoint engine, the checkpoint a
+    resume would load, then this run's record in the checkpoint folder when it will save there."""
+    from gtpo.launch.runs import run_identity, write_record
+    from gtpo.trainer.resume.checkpoints import layout_of
+
+    environ = os.environ if environ is None else environ
+    check_checkpoint_engine(checked.config)
+    async_mode = verl_mode(str(config.trainer.v1.trainer_mode)) != "sync"
+    check_world_size_before_launch(config, layout_of(config, checked.use_critic, async_mode))
+    run, trainer = run_identity(environ), checked.config.trainer
+    if run is not None and not trainer.get("val_only", False) and (trainer.get("save_freq", -1) or -1) > 0:
+        write_record(str(trainer.default_local_dir), run)
