@@ -17,7 +17,8 @@ import math
 import pytest
 import torch
 
-from gtpo.algorithms import gtpo_token, gtpo_traj, kernel_dispatch, token_positions
+from gtpo.algorithms import gtpo_token, gtpo_traj, kernel_dispatch, kernels
+from gtpo.algorithms.gaps import MaskGaps
 from gtpo.algorithms.gtpo_token import GTPOParams, gtpo_token_advantages, gtpo_token_definition
 from gtpo.algorithms.gtpo_traj import GTPOTrajParams
 from gtpo.algorithms.token_positions import PositionLayout, has_gaps, position_layout, tool_turn_metrics, turn_index
@@ -159,6 +160,24 @@ def test_the_tokens_that_carry_gradient_are_grpos(setting, evaluation):
     check_gradient_tokens_match_grpo(advantages(setting, batch()), batch(), subset=subset)
 
 
+def _built_anyway(mask, position, gaps=None):
+    """The layout as if the mask had gaps (a single-turn batch then runs on a copy laid out by ``position``)."""
+    return position_layout(mask, position, True if position != "raw" else gaps)
+
+
+def _force_layouts(monkeypatch, layout=_built_anyway):
+    """Every batch runs on its position's layout: the kernel reports gaps in its first pass, the layout is built."""
+    original = kernels.gtpo_token_kernel
+
+    def reporting(entropy, response_mask, correct, base, gid, num_groups, params, responses=None):
+        if params.position != "raw":
+            raise MaskGaps
+        return original(entropy, response_mask, correct, base, gid, num_groups, params, responses)
+
+    monkeypatch.setattr(kernels, "gtpo_token_kernel", reporting)
+    monkeypatch.setattr(gtpo_token, "position_layout", layout)
+
+
 def test_turn_reduces_to_the_single_turn_estimator_on_one_turn_responses(monkeypatch, evaluation):
     """One-turn responses: ``turn`` gives the single-turn estimator's advantages, also when its layout is built (the
     gap check forced on: the turn layout then runs the estimator on a copy)."""
@@ -166,7 +185,7 @@ def test_turn_reduces_to_the_single_turn_estimator_on_one_turn_responses(monkeyp
     single = gtpo_token_definition(b.entropy, b.mask, b.rewards, b.gid, b.num_groups, GTPOParams())[0]
     for forced in (False, True):
         if forced:
-            monkeypatch.setattr(token_positions, "has_gaps", lambda mask: True)
+            _force_layouts(monkeypatch)
         for position in ("turn", "model"):
             params = GTPOParams(position=position)
             got = gtpo_token_advantages(b.entropy, b.mask, b.rewards, b.gid, b.num_groups, params)
@@ -262,7 +281,7 @@ class _ToolTokensAsModelTokens(PositionLayout):
         return super().gather(filled, fill)
 
 
-def _tool_tokens_as_model_tokens(mask, position):
+def _tool_tokens_as_model_tokens(mask, position, gaps=None):
     if position == "raw":
         return None
     inside = torch.cummax((mask != 0).flip(-1).long(), -1).values.flip(-1).bool()  # up to each row's last model token
@@ -303,8 +322,8 @@ def test_masked_entropy_read_fails_the_check(monkeypatch):
 def test_a_model_index_that_counts_tool_tokens_fails_the_length_check(monkeypatch):
     """Fault: ``model`` positions taken as columns (the tool output counted)."""
 
-    def columns(mask, position):
-        layout = position_layout(mask, position)
+    def columns(mask, position, gaps=None):
+        layout = position_layout(mask, position, gaps)
         return None if layout is None else PositionLayout(layout.rows, layout.cols, layout.cols, layout.shape,
                                                           layout.shape[1])  # fmt: skip
 
@@ -318,8 +337,8 @@ def test_turn_blocks_aligned_at_the_turn_end_fail_the_one_turn_check(monkeypatch
     """Fault: each turn right-aligned in its block; on one-turn responses of different lengths it differs from the
     single-turn estimator."""
 
-    def right_aligned(mask, position):
-        layout = position_layout(mask, position)
+    def right_aligned(mask, position, gaps=None):
+        layout = _built_anyway(mask, position, gaps)
         if layout is None:  # the entry's own call on the layout (position=raw)
             return None
         rows, _, turn, offset = turn_index(mask)
@@ -327,8 +346,7 @@ def test_turn_blocks_aligned_at_the_turn_end_fail_the_one_turn_check(monkeypatch
         dest = layout.width - lengths[rows] + offset
         return PositionLayout(layout.rows, layout.cols, dest, layout.shape, layout.width)
 
-    monkeypatch.setattr(token_positions, "has_gaps", lambda mask: True)
-    monkeypatch.setattr(gtpo_token, "position_layout", right_aligned)
+    _force_layouts(monkeypatch, right_aligned)
     b = tool_batch([[n] for n in (3, 5, 1, 4, 2, 6, 4, 3)], REWARDS, GROUPS)
     single = gtpo_token_definition(b.entropy, b.mask, b.rewards, b.gid, b.num_groups, GTPOParams())[0]
     got = gtpo_token_advantages(b.entropy, b.mask, b.rewards, b.gid, b.num_groups, GTPOParams(position="turn"))[0]

@@ -43,8 +43,9 @@ from dataclasses import dataclass
 import torch
 
 from gtpo.algorithms.conflict_tokens import conflict_weights
+from gtpo.algorithms.gaps import MaskGaps
 from gtpo.algorithms.kernel_dispatch import kernel_guard, kernel_on
-from gtpo.algorithms.token_positions import POSITIONS, MaskGaps, position_layout
+from gtpo.algorithms.token_positions import POSITIONS, position_layout
 from gtpo.knobs import check_choice, check_flag, check_real
 
 __all__ = [

@@ -45,10 +45,11 @@ from typing import NamedTuple
 import torch
 
 from gtpo.algorithms.conflict_tokens import NCONF_COUNTS, Runs, check_conflict_inputs, conflict_runs, scale_runs
+from gtpo.algorithms.gaps import MaskGaps
 from gtpo.algorithms.group_ops import group_mean_std, per_row, segment_sum
 from gtpo.algorithms.gtpo_token import check_token_values
 from gtpo.algorithms.kernel_dispatch import kernel_guard, kernel_on
-from gtpo.algorithms.token_positions import MaskGaps, has_gaps, position_layout
+from gtpo.algorithms.token_positions import has_gaps, position_layout
 
 __all__ = [
     "GTPOTrajOutput",
@@ -288,7 +289,7 @@ def trajectory(
         gid: ``[B]`` int64 group ids; num_groups: ``NG``. params: resolved :class:`GTPOTrajParams`.
         h_ini: ``<H>_ini`` of the ini gate (overrides ``params.h_ini``; required when the gate is on, unless
             ``measure_h_ini``, which takes this batch's mean over completions of ``<H>_i``).
-        refuse_gaps: raise :class:`gtpo.algorithms.token_positions.MaskGaps` when a row's valid tokens are not one
+        refuse_gaps: raise :class:`gtpo.algorithms.gaps.MaskGaps` when a row's valid tokens are not one
             block from column 0 (the entry point then runs on its ``position``'s layout); otherwise masked tokens
             inside a row are holes of the columns (``position=raw``).
     """

@@ -31,7 +31,7 @@ What each kernel computes is its estimator's definition, in fewer passes:
   ``A'_i lambda_{i,t} / n_conf_i``.
 - :func:`row_sums`: the sequence reward ``sum_t r_{i,t}`` and the lengths, on the kernels' threads.
 - Tool tokens inside responses (multi-turn): the GTPO and GTPO-traj kernels raise
-  :class:`gtpo.algorithms.token_positions.MaskGaps` after their first pass when a row's valid tokens are not one
+  :class:`gtpo.algorithms.gaps.MaskGaps` after their first pass when a row's valid tokens are not one
   block from column 0 and the knobs read another position than the column; the estimator then runs them on its
   position's layout. :func:`mask_has_gaps` is that check alone, for callers without a kernel pass.
 
@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from gtpo.algorithms.token_positions import MaskGaps
+from gtpo.algorithms.gaps import MaskGaps
 from gtpo.private_files import check_private_dir, private_dir
 
 __all__ = [

@@ -16,8 +16,8 @@ A :class:`PositionLayout` places each row's model tokens in the columns of a ``[
 position; the estimator runs there (kernel or definition alike) and its result is scattered back, 0 on every tool
 token and on padding. A mask whose model tokens are one block from column 0 in every row (every single-turn batch)
 reads the same under all three, so :func:`position_layout` returns None and nothing is copied. On CPU the compiled
-kernels find gaps in the first pass they make anyway (:class:`MaskGaps`), so that path costs nothing; elsewhere
-:func:`has_gaps` reads the mask once.
+kernels find gaps in the first pass they make anyway (:class:`gtpo.algorithms.gaps.MaskGaps`), so that path costs
+nothing; elsewhere :func:`has_gaps` reads the mask once.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from gtpo.algorithms.kernel_dispatch import kernel_guard, kernel_on
 
 __all__ = [
     "POSITIONS",
-    "MaskGaps",
     "PositionLayout",
     "has_gaps",
     "position_layout",
@@ -39,12 +38,6 @@ __all__ = [
 ]
 
 POSITIONS = ("model", "raw", "turn")
-
-
-class MaskGaps(Exception):
-    """Raised by an estimator's first pass when a row's model tokens are not one block from column 0 while its knobs
-    read another position than the column: the entry point then runs it on that position's layout. The compiled
-    kernels find gaps in a pass they make anyway, so a batch without them pays nothing for the check."""
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,8 @@ Deliberate choices:
 Modules: :mod:`gtpo.cpu.demo_task` (task, reward, assets), :mod:`gtpo.cpu.demo_trainer` (trainer overrides and
 command), :mod:`gtpo.cpu.demo_results` (rewards, summary, plots), :mod:`gtpo.cpu.demo_progress` (the live line);
 this module is the command line and :func:`run_demo`, and re-exports their names
-(``reward.custom_reward_function.path=pkg://gtpo.cpu.demo`` loads :func:`compute_score` from here).
+(``reward.custom_reward_function.path=pkg://gtpo.cpu.demo`` loads :func:`compute_score` from here: it scores every
+task's rows).
 """
 
 from __future__ import annotations
@@ -110,11 +111,11 @@ from gtpo.cpu.demo_task import (
     build_rows,
     build_tokenizer,
     check_task,
-    compute_score,
     recipe_key,
     score_response,
     task_data_source,
 )
+from gtpo.cpu.demo_task import compute_score as word_task_score
 from gtpo.cpu.demo_trainer import (
     DEMO_SETTINGS,
     METHOD_SETTINGS,
@@ -125,10 +126,21 @@ from gtpo.cpu.demo_trainer import (
     trainer_command,
     trainer_env,
 )
+from gtpo.cpu.tool_task import DATA_SOURCE as TOOL_DATA_SOURCE
+from gtpo.cpu.tool_task import score as tool_task_score
 from gtpo.trainer.guard.watchdog import find_expiry
 
 # The tool task (gtpo.cpu.tool_task): the demo's trainer settings plus verl's tool agent loop.
 TOOL_TASK = "tool_lookup"
+
+
+def compute_score(data_source=None, solution_str: str = "", ground_truth: str = "", extra_info=None, **kwargs) -> float:
+    """verl custom reward of every demo task: the tool task's rows (``cpu_demo/tool_lookup``) by
+    :func:`gtpo.cpu.tool_task.score`, the word tasks' by :func:`gtpo.cpu.demo_task.compute_score`."""
+    if data_source == TOOL_DATA_SOURCE:
+        return tool_task_score(solution_str, ground_truth)
+    return word_task_score(data_source, solution_str, ground_truth, extra_info, **kwargs)
+
 
 __all__ = [
     "CHAT_TEMPLATE",

@@ -77,16 +77,11 @@ _SOURCE_WORD_INDEX = {task_data_source(task): index for task, index in TASK_WORD
 def compute_score(data_source=None, solution_str: str = "", ground_truth: str = "", extra_info=None, **kwargs) -> float:
     """verl custom reward (``reward.custom_reward_function``): the 0/1 reward of a decoded response.
 
-    The rows' ``data_source`` (``cpu_demo/<task>``) selects the scored word, or the tool task's reward
-    (``cpu_demo/tool_lookup``, :func:`gtpo.cpu.tool_task.score`); any other source raises, naming it: the demo's
-    reward is only ever configured for the demo's own parquet files, so another source is a wiring error.
+    The rows' ``data_source`` (``cpu_demo/<task>``) selects the scored word; any other source raises, naming it: the
+    demo's reward is only ever configured for the demo's own parquet files, so another source is a wiring error.
     """
     source = DATA_SOURCE if data_source is None else str(data_source)
     word_index = _SOURCE_WORD_INDEX.get(source)
-    if source == DATA_SOURCE_PREFIX + "tool_lookup":  # the tool task's rows (gtpo.cpu.tool_task)
-        from gtpo.cpu.tool_task import score
-
-        return score(solution_str, ground_truth)
     if word_index is None:
         raise ValueError(f"data_source={source!r}: not a CPU demo task; known: {', '.join(_SOURCE_WORD_INDEX)}")
     if solution_str is None:
