@@ -137,3 +137,13 @@ def test_the_launchers_dry_run_validates_the_tool_config(tmp_path):
         "integer in [1, 1000]"
     ]
     assert "[dry run] OK" not in bad_out and "Started a local Ray instance" not in bad_out + bad_err
+
+
+def test_a_parser_its_tool_module_registers_passes(tmp_path):
+    """The CPU tool task's parser is registered when its tool class is imported (as verl's agent-loop workers import
+    it from the tool config): the check imports the tools first, then looks the parser up."""
+    from gtpo.cpu.tool_task import build_tool_task_assets, tool_task_overrides
+
+    cfg = compose(["method=gtpo", "backend=cpu_tiny", *tool_task_overrides(build_tool_task_assets(tmp_path))])
+    assert cfg.actor_rollout_ref.rollout.multi_turn.format == "gtpo_cpu_lookup"
+    check_multi_turn(cfg)

@@ -43,7 +43,6 @@ def check_multi_turn(config: DictConfig) -> None:
     side = multi_turn.get("tool_response_truncate_side", "middle")
     if side not in TRUNCATE_SIDES:
         raise ValueError(f"{PREFIX}.tool_response_truncate_side={side!r}: must be one of {list(TRUNCATE_SIDES)}")
-    _check_parser(str(multi_turn.get("format", "hermes")))
     tool_config_path = multi_turn.get("tool_config_path", None)
     function_tool_path = multi_turn.get("function_tool_path", None)
     if not tool_config_path and not function_tool_path:
@@ -55,6 +54,8 @@ def check_multi_turn(config: DictConfig) -> None:
         check_tool_config(str(tool_config_path), f"{PREFIX}.tool_config_path")
     if function_tool_path and not os.path.isfile(str(function_tool_path)):
         raise ValueError(f"{PREFIX}.function_tool_path={function_tool_path}: no such file")
+    # after the tool classes are imported: a tool's module may register its parser, as verl's workers import it
+    _check_parser(str(multi_turn.get("format", "hermes")))
 
 
 def _check_parser(name: str) -> None:
