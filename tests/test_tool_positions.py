@@ -21,7 +21,14 @@ from gtpo.algorithms import gtpo_token, gtpo_traj, kernel_dispatch, kernels
 from gtpo.algorithms.gaps import MaskGaps
 from gtpo.algorithms.gtpo_token import GTPOParams, gtpo_token_advantages, gtpo_token_definition
 from gtpo.algorithms.gtpo_traj import GTPOTrajParams
-from gtpo.algorithms.token_positions import PositionLayout, has_gaps, position_layout, tool_turn_metrics, turn_index
+from gtpo.algorithms.token_positions import (
+    CompactLayout,
+    PositionLayout,
+    has_gaps,
+    position_layout,
+    tool_turn_metrics,
+    turn_index,
+)
 from gtpo.methods import knob
 from tests.support.tool_batches import (
     ESTIMATORS,
@@ -73,6 +80,20 @@ def test_layouts_by_hand():
     back = model.scatter(model.gather(values))
     assert torch.equal(back, values * mask)
     assert position_layout(mask, "raw") is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.bool, torch.bfloat16])
+def test_the_compiled_compaction_is_the_index_path(dtype):
+    """``model`` on CPU moves tokens with compiled passes; they give what the token indices give, both ways."""
+    gen = torch.Generator().manual_seed(3)
+    mask = (torch.rand(37, 29, generator=gen) > 0.3).long() * (torch.arange(29) < 25).long()
+    values = (torch.rand(37, 29, generator=gen) * 10).to(dtype)
+    layout = position_layout(mask, "model")
+    assert isinstance(layout, CompactLayout) and layout.width == int(mask.sum(-1).max())
+    packed = layout.gather(values, fill=1)
+    assert torch.equal(packed, PositionLayout.gather(layout, values, fill=1))
+    assert torch.equal(layout.scatter(packed), PositionLayout.scatter(layout, packed))
+    assert torch.equal(layout.scatter(packed), torch.where(mask.bool(), values, torch.zeros_like(values)))
 
 
 @pytest.mark.parametrize("kernel", [True, False])
@@ -292,7 +313,8 @@ def _tool_tokens_as_model_tokens(mask, position, gaps=None):
 
 
 def test_a_tool_token_given_its_neighbours_share_fails_the_checks(monkeypatch):
-    monkeypatch.setattr(PositionLayout, "scatter", _neighbours_share(PositionLayout.scatter))
+    for layout in (PositionLayout, CompactLayout):  # the index-based layout (turn) and the compiled one (model)
+        monkeypatch.setattr(layout, "scatter", _neighbours_share(layout.scatter))
     b = batch()
     for setting in ("gtpo", "gtpo_turn", "gtpo_traj"):
         adv = advantages(setting, b)
@@ -313,7 +335,8 @@ def test_a_tool_token_counted_at_a_position_fails_conservation(monkeypatch):
 
 
 def test_masked_entropy_read_fails_the_check(monkeypatch):
-    monkeypatch.setattr(PositionLayout, "gather", _reads_masked_entropy(PositionLayout.gather))
+    for layout in (PositionLayout, CompactLayout):
+        monkeypatch.setattr(layout, "gather", _reads_masked_entropy(layout.gather))
     for setting in ("gtpo", "gtpo_turn", "gtpo_traj"):
         with pytest.raises((AssertionError, ValueError)):  # a changed advantage, or the NaN refused
             check_tool_entropy_unread(lambda b, setting=setting: advantages(setting, b), batch())

@@ -33,7 +33,8 @@ What each kernel computes is its estimator's definition, in fewer passes:
 - Tool tokens inside responses (multi-turn): the GTPO and GTPO-traj kernels raise
   :class:`gtpo.algorithms.gaps.MaskGaps` after their first pass when a row's valid tokens are not one
   block from column 0 and the knobs read another position than the column; the estimator then runs them on its
-  position's layout. :func:`mask_has_gaps` is that check alone, for callers without a kernel pass.
+  position's layout. :func:`mask_has_gaps` is that check alone, for callers without a kernel pass;
+  :func:`compact_rows` / :func:`expand_rows` move a row's model tokens to the front and back (``position=model``).
 
 Shared machinery: numba's options and a private disk cache (:func:`jit_options`; a cache folder someone else can
 write is code they choose, :mod:`gtpo.private_files`), the compile timer, threads (:func:`run_blocks`: the rows in
@@ -65,7 +66,9 @@ from gtpo.private_files import check_private_dir, private_dir
 
 __all__ = [
     "BadValues",
+    "compact_rows",
     "conflict_runs",
+    "expand_rows",
     "grpo_s_kernel",
     "gtpo_token_kernel",
     "gtpo_traj_kernel",
@@ -385,6 +388,52 @@ def _first_gap_row(mask):  # pragma: no cover - compiled
         if count != last + 1:
             return i
     return -1
+
+
+@njit(**jit_options())
+def _compact(values, mask, lo, hi, out):  # pragma: no cover - compiled
+    for i in range(lo, hi):
+        k = 0
+        for t in range(mask.shape[1]):
+            if mask[i, t] != 0:
+                out[i, k] = values[i, t]
+                k += 1
+
+
+@njit(**jit_options())
+def _expand(values, mask, lo, hi, out):  # pragma: no cover - compiled
+    for i in range(lo, hi):
+        k = 0
+        for t in range(mask.shape[1]):
+            if mask[i, t] != 0:
+                out[i, t] = values[i, k]
+                k += 1
+            else:
+                out[i, t] = 0
+
+
+def _as_numpy(values: torch.Tensor) -> np.ndarray:
+    values = values.detach()
+    return (values.view(torch.uint8) if values.dtype == torch.bool else values).contiguous().numpy()
+
+
+def compact_rows(values: torch.Tensor, mask: torch.Tensor, width: int, fill: float | int = 0) -> torch.Tensor:
+    """``[B, L]`` -> ``[B, width]``: each row's values where the mask is non-zero, in order from column 0, ``fill``
+    after them (:class:`gtpo.algorithms.token_positions.CompactLayout`)."""
+    v, m = _as_numpy(values), as_numpy_mask(mask)
+    out = np.full((v.shape[0], width), fill, dtype=v.dtype)
+    run_blocks(_compact, v.shape[0], num_threads(v.shape[0]), lambda lo, hi, w: (v, m, lo, hi, out))
+    result = torch.from_numpy(out)
+    return result.view(torch.bool) if values.dtype == torch.bool else result
+
+
+def expand_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`compact_rows`: ``[B, W]`` -> the mask's ``[B, L]``, 0 where the mask is 0."""
+    v, m = _as_numpy(values), as_numpy_mask(mask)
+    out = np.empty(m.shape, dtype=v.dtype)
+    run_blocks(_expand, v.shape[0], num_threads(v.shape[0]), lambda lo, hi, w: (v, m, lo, hi, out))
+    result = torch.from_numpy(out)
+    return result.view(torch.bool) if values.dtype == torch.bool else result
 
 
 def mask_has_gaps(mask: torch.Tensor) -> bool:
