@@ -2,7 +2,7 @@
 
 Markers: ``e2e`` (starts Ray and verl's real trainer on CPU) — skip them locally with ``-m "not e2e"``; ``slow``
 (the long tier of trainer runs: the demo's 50 steps, each preset, the async resume, the evaluation script) — skipped
-unless ``GTPO_SLOW_TESTS=1``. The default tier runs five trainer launches on a two-node cluster (most at world size
+unless ``GTPO_SLOW_TESTS=1``. The default tier runs six trainer launches on a two-node cluster (most at world size
 two), so the whole suite stays within 25 minutes on 2 cores; every trainer mode still runs through verl there (see
 docs/tests.md).
 """

@@ -2,8 +2,9 @@
 
     .venv/bin/python -m pytest -q tests/test_gtpo_kernel.py
 
-Every mode and scope, conflict weights, GROP-like offsets with alpha1 != 1, masks with holes, every mask dtype,
-threads, the recycled large outputs, the fallback to the definition and the compile-time diagnostic.
+Every mode and scope, conflict weights, GROP-like offsets with alpha1 != 1, masks with holes (read as columns,
+``position=raw``; the other positions are the layouts of tests/test_tool_positions.py), every mask dtype, threads,
+the recycled large outputs, the fallback to the definition and the compile-time diagnostic.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def test_kernel_matches_definition(norm_mode, norm_scope, weight_scope, conflict
     entropy, mask, rewards, gid, groups, responses, offset = random_batch(seed, holes=seed == 2)
     params = GTPOParams(
         alpha1=0.7, alpha2=0.1 + 0.2 * seed, norm_mode=norm_mode, norm_scope=norm_scope, weight_scope=weight_scope,
-        conflict_mask=conflict_mask, std="population" if seed == 1 else "unbiased",
+        conflict_mask=conflict_mask, std="population" if seed == 1 else "unbiased", position="raw",
     )  # fmt: skip
     offset = offset if seed != 1 else None
     kernel = gtpo_token_advantages(entropy, mask, rewards, gid, groups, params, offset, responses)
@@ -66,7 +67,7 @@ def test_every_mask_and_entropy_dtype(mask_dtype, entropy_dtype):
     """Each mask dtype as it is (bool read as uint8; half types converted), float32 / float64 entropy as it is."""
     entropy, mask, rewards, gid, groups, responses, offset = random_batch(5, holes=True)
     entropy = entropy.to(entropy_dtype)
-    params = GTPOParams(conflict_mask=True)
+    params = GTPOParams(conflict_mask=True, position="raw")  # the kernel's own reading of the holes
     kernel = gtpo_token_advantages(entropy, mask.to(mask_dtype), rewards, gid, groups, params, offset, responses)
     definition = gtpo_token_definition(entropy, mask, rewards, gid, groups, params, offset, responses)
     assert_same(kernel, definition)
@@ -252,7 +253,7 @@ def test_a_slightly_negative_entropy_is_clamped(monkeypatch, weight_scope, norm_
     for value in (-0.05, -1e-7):
         bad = entropy.clone()
         bad[row, col] = value
-        params = GTPOParams(weight_scope=weight_scope, norm_scope=norm_scope)
+        params = GTPOParams(weight_scope=weight_scope, norm_scope=norm_scope, position="raw")
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
         kernel = gtpo_token_advantages(bad, mask, rewards, gid, groups, params)
         zero = entropy.clone()

@@ -61,7 +61,7 @@ def test_gtpo_writes_every_element(nan_outputs, monkeypatch, knobs, threads):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     entropy, mask, rewards, gid, groups, responses, offset = random_batch(5, groups=40, length=29, holes=True)
     assert (mask.sum(-1) == 0).any()  # empty rows, dense rows and rows with holes
-    params = GTPOParams(**knobs)
+    params = GTPOParams(**knobs, position="raw")  # the kernel's sparse rows, read as columns like the definition
     got = gtpo_token_advantages(entropy, mask, rewards, gid, groups, params, offset, responses)
     assert len(nan_outputs) == 1 and got[0].data_ptr() == nan_outputs[0].data_ptr()  # the kernel wrote it
     assert_same(got, gtpo_token_definition(entropy, mask, rewards, gid, groups, params, offset, responses))

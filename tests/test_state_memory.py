@@ -54,11 +54,11 @@ def test_the_adapter_count_is_peft_s(targets):
 
 
 def test_the_presets_models_match_their_published_sizes():
-    """The model cards: Qwen2.5 3.09 B, 7.61 B, 32.8 B, 0.49 B; Qwen3 8.2 B, 32.8 B parameters."""
+    """The model cards: Qwen2.5 3.09 B, 7.61 B (base and instruct), 32.8 B, 0.49 B; Qwen3 8.2 B, 32.8 B parameters."""
     sizes = {k: round(v.parameters / 1e9, 2) for k, v in KNOWN_MODELS.items()}
     assert sizes == {
-        "Qwen2.5-3B": 3.09, "Qwen2.5-7B": 7.62, "Qwen2.5-32B": 32.76, "Qwen2.5-0.5B-Instruct": 0.49,
-        "Qwen3-8B-Base": 8.19, "Qwen3-32B": 32.76,
+        "Qwen2.5-3B": 3.09, "Qwen2.5-7B": 7.62, "Qwen2.5-7B-Instruct": 7.62, "Qwen2.5-32B": 32.76,
+        "Qwen2.5-0.5B-Instruct": 0.49, "Qwen3-8B-Base": 8.19, "Qwen3-32B": 32.76,
     }  # fmt: skip
 
 

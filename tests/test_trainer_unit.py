@@ -149,3 +149,37 @@ def test_advantage_step_keeps_h_ini_in_each_trainers_own_state():
     assert step(first, 3.0)["gtpo_traj/h_ini"] == 0.5  # measured once: a later batch does not re-measure
     assert first.recipe_state == {"gtpo_traj": {"h_ini": 0.5}}
     assert second.recipe_state == {"gtpo_traj": {"h_ini": 1.25}}
+
+
+@pytest.mark.parametrize("multi_turn", [True, False])
+def test_advantage_step_logs_what_the_tool_turns_did(multi_turn):
+    """With ``multi_turn.enable`` the step logs the tool turns' metrics under the estimator's prefix, computed on the
+    real rows (verl's padding row left out); single-turn runs log none of them."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    from tensordict import TensorDict
+    from verl.protocol import DataProto
+
+    from gtpo.algorithms.token_positions import tool_turn_metrics
+
+    trainer = make_trainer(["method=gtpo", f"actor_rollout_ref.rollout.multi_turn.enable={multi_turn}"])
+    trainer.global_steps = 1
+    mask = torch.tensor([[1, 1, 0, 0, 1], [1, 1, 1, 0, 0], [1, 0, 1, 1, 1], [1, 1, 1, 1, 0], [0, 0, 0, 0, 0.0]])
+    rewards = torch.zeros(5, 5)
+    rewards[torch.arange(4), torch.tensor([4, 2, 4, 3])] = torch.tensor([1.0, -1.0, -1.0, 1.0])
+    entropy = torch.tensor([[0.5, 1.0, 7.0, 7.0, 3.0], [0.2, 0.4, 0.6, 0, 0], [1.0, 7.0, 2.0, 0.3, 0.2], [1.0] * 5,
+                            [50.0] * 5])  # fmt: skip
+    fields = {"token_level_rewards": rewards, "response_mask": mask, "entropy": entropy}
+    uid = np.array(["a", "a", "b", "b", "pad"], dtype=object)
+    data = DataProto(batch=TensorDict(fields, batch_size=5), non_tensor_batch={"uid": uid})
+    metrics: dict = {}
+    trainer._recipe_advantages(data, SimpleNamespace(tags=[{}] * 4 + [{"is_padding": True}]), metrics)
+    logged = {key: value for key, value in metrics.items() if key.startswith("gtpo/") and "tool" in key}
+    if not multi_turn:
+        assert logged == {} and "gtpo/entropy_other_mean" not in metrics
+        return
+    expected = tool_turn_metrics(mask[:4], entropy[:4])
+    assert expected["tool_outputs_per_response"] == 0.5 and expected["entropy_after_tool_mean"] == 2.5
+    assert {key: metrics[f"gtpo/{key}"] for key in expected} == expected

@@ -126,7 +126,9 @@ def test_token_records_drop_padding_and_keep_values():
             "entropy",
             "score",
             "acc",
+            "model_mask",
         }
+        assert rec["model_mask"] is None  # every token is the model's
     json.dumps(recs)  # JSON-ready
 
 
@@ -567,3 +569,101 @@ def test_cli_compact_mode_options(tmp_path, capsys):
     full = imread(out / "tokens_1.advantage.png").shape[0]
     assert viz_main(["tokens", "--input", str(dump), "--out", str(out), "--span-tokens", "8"]) == 0
     assert imread(out / "tokens_1.advantage.png").shape[0] < full / 2  # 1,500 tokens > 240: compact
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tool-output tokens inside multi-turn responses
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _tool_batch():
+    """Two responses of one prompt: "ab" + tool output "[7]" + "c", and "xy" without a tool call."""
+    texts = ["ab[7]c", "xy"]
+    width = 6
+    ids = np.zeros((2, width), dtype=np.int64)
+    length = np.zeros((2, width), dtype=bool)
+    for r, t in enumerate(texts):
+        ids[r, : len(t)] = [ord(c) for c in t]
+        length[r, : len(t)] = True
+    model = length.copy()
+    model[0, 2:5] = False  # "[7]" came from the tool
+    adv = np.where(model, np.array([[1.0, -2.0, 0.0, 0.0, 0.0, 0.5], [0.25, -0.25, 0, 0, 0, 0]]), 0.0)
+    ent = np.where(length, 0.5, np.nan)
+    ent[0, 2:5] = 9.0  # verl's old-log-prob pass computes it on tool tokens too; nobody reads it
+    return ids, length, model, adv, ent
+
+
+def test_tool_tokens_are_kept_marked_and_carry_no_values(tmp_path):
+    ids, length, model, adv, ent = _tool_batch()
+    recs = token_records(
+        step=3, uids=["p", "p"], responses=ids, response_mask=length, tokenizer=ByteTokenizer(), advantages=adv,
+        entropy=ent, scores=[1.0, -1.0], model_mask=model,
+    )  # fmt: skip
+    assert recs[0]["response_tokens"] == list("ab[7]c") and recs[0]["model_mask"] == [1, 1, 0, 0, 0, 1]
+    assert recs[0]["advantages"] == [1.0, -2.0, None, None, None, 0.5]
+    assert recs[0]["entropy"] == [0.5, 0.5, None, None, None, 0.5]
+    assert recs[1]["model_mask"] is None and recs[1]["entropy"] == [0.5, 0.5]  # a single-turn response as before
+    dump = write_token_dump(recs, tmp_path / "tokens_3.jsonl")
+    first = load_responses(dump)[0]
+    assert first.tool.tolist() == [False, False, True, True, True, False]
+    assert "3 from tools" in render_html(load_responses(dump), tmp_path / "m.html").read_text(encoding="utf-8")
+
+
+def test_records_from_batch_marks_the_tool_tokens_of_jagged_responses():
+    torch = pytest.importorskip("torch")
+    from verl.utils import tensordict_utils as tu
+
+    ids, length, model, adv, ent = _tool_batch()
+    lengths = length.sum(-1)
+
+    def nested(values, dtype):
+        return torch.nested.as_nested_tensor(
+            [torch.tensor(v[:n], dtype=dtype) for v, n in zip(values, lengths, strict=True)], layout=torch.jagged
+        )
+
+    data = tu.get_tensordict(
+        {
+            "uid": ["p", "p"],
+            "responses": nested(ids, torch.int64),
+            "response_mask": nested(model.astype(np.int64), torch.int64),
+            "advantages": nested(adv, torch.float32),
+            "entropy": nested(ent, torch.float32),
+        }
+    )
+    recs = records_from_batch(data, tokenizer=ByteTokenizer(), step=1)
+    assert recs[0]["response_tokens"] == list("ab[7]c") and recs[0]["model_mask"] == [1, 1, 0, 0, 0, 1]
+    assert recs[0]["entropy"][2:5] == [None, None, None]
+
+
+def test_tool_tokens_are_grey_without_a_strip(tmp_path):
+    ids, length, model, adv, ent = _tool_batch()
+    recs = token_records(
+        step=3, uids=["p", "p"], responses=ids, response_mask=length, tokenizer=ByteTokenizer(), advantages=adv,
+        entropy=ent, scores=[1.0, -1.0], model_mask=model,
+    )  # fmt: skip
+    dump = write_token_dump(recs, tmp_path / "tokens_3.jsonl")
+    raw = render_html(load_responses(dump), tmp_path / "t.html", color="advantage").read_text(encoding="utf-8")
+    spans = re.findall(r'<span class="tok" ([^>]*)>', raw)
+    tool = [s for s in spans if "data-tool" in s and "data-i" in s]
+    assert [re.search(r'data-tok="([^"]*)"', s).group(1) for s in tool] == ["[", "7", "]"]
+    for s in tool:
+        assert "background:#d4d4d4" in s and "border-bottom" not in s and "masked: no advantage" in s
+    model_spans = [s for s in spans if "data-tool" not in s]
+    assert all("border-bottom-color" in s for s in model_spans)  # every model token keeps its entropy strip
+    assert "a tool&#x27;s output inside the response" in raw or "a tool's output inside the response" in raw
+    # the PNG draws the grey face and omits those three strips
+    png = render_png(load_responses(dump), tmp_path / "t.png", color="advantage")
+    img = imread(png)[..., :3]
+    assert (np.abs(img - _rgb("#d4d4d4")).max(-1) < 0.01).sum() > 50
+
+
+def test_png_rows_skip_the_strip_of_tool_tokens():
+    from gtpo.viz import heatmap_png
+
+    cv = heatmap_png._Canvas()
+    box = np.ones((4, 4))
+    strip = np.zeros((4, 4))
+    strip[:, 3] = 1.0
+    heatmap_png._token_rows(cv, 0, 0, list("abcd"), box, strip, 40, np.array([False, True, True, False]))
+    faces = [face for *_, face, _, _ in cv.rects]
+    assert faces == ["#ffffff", "#000000", "#d4d4d4", "#d4d4d4", "#ffffff", "#000000"]

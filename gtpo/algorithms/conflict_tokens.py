@@ -18,9 +18,10 @@ Deliberate choices and deviations:
    ``((group * W) + position) * V + token``, and membership in the positive and in the negative key sets is a
    sort-based ``torch.isin``; a block only visits groups that still have a row whose run is alive. The cost is
    proportional to the run lengths, and the runs are kept as lengths (:class:`Runs`), never as ``[B, L]`` masks.
-2. A position where ``response_mask`` is 0 inside a response (multi-turn tool tokens) ends a run, exactly like a
-   padding token ends it in the official code. Padding is taken from ``response_mask``, never from a pad id (the
-   official code's hard-coded Llama pad id is a defect not reproduced).
+2. A position where ``response_mask`` is 0 inside a row ends a run, exactly like a padding token ends it in the
+   official code. Padding is taken from ``response_mask``, never from a pad id (the official code's hard-coded Llama
+   pad id is a defect not reproduced). Tool outputs inside multi-turn responses reach this function so only under
+   ``position=raw``; by default the estimators pass it the model's tokens in order (docs/ALGORITHMS.md §13).
 3. ``n_conf`` (§6.2 step 4) has two counts (:meth:`Runs.n_conf`): ``union``, the tokens in either run
    (``f + b - overlap``, the specification's definition), and ``official``, ``max(f, b)``, what the official
    ``build_conflict_mask`` computes because it ORs the forward-run mask with the backward-run mask while the latter

@@ -11,13 +11,15 @@ Eq. 3 (correct responses) and Eq. 5 (incorrect ones), with the eps guards of Rem
     r~-_{j,t} = a1 * base_j - a2 * (1/(H_{j,t}+eps)) / (sum_{k in O-_t} 1/(H_{k,t}+eps) + eps) * h_t
 
 ``d_t`` / ``h_t`` count the correct / incorrect responses active at position ``t`` (``response_mask[:, t] == 1``;
-positions are offsets from the response start); ``weight_scope`` says over which responses the sums and counts run:
-``batch`` (paper §4, "compares entropy across different problems") or ``group`` (as typeset). ``base`` is the reward
-of a correct response and the literal -1 of Eq. 5 for an incorrect one (``negative_base``), plus GROP's penalty where
-the method applies it (``reward_offset``, App. D). Eq. 6: ``A~ = (r~ - mean) / (std + eps)`` over each token's
-whitening set: ``zero_fill`` (§2.2) whitens the r~+ field (0 on incorrect tokens) and the r~- field (0 on correct
-ones) over all valid tokens of the scope, a correct token taking A~+, an incorrect one A~-; ``joint`` whitens the
-signed r~ over the scope; ``split`` each polarity's own tokens (loses the sign of correctness, §3.7).
+positions are offsets from the response start; with tool tokens inside a response the entry point first moves the
+model's tokens to the columns of ``position``, docs/ALGORITHMS.md §13); ``weight_scope`` says over which responses
+the sums and counts run: ``batch`` (paper §4, "compares entropy across different problems") or ``group`` (as
+typeset). ``base`` is the reward of a correct response and the literal -1 of Eq. 5 for an incorrect one
+(``negative_base``), plus GROP's penalty where the method applies it (``reward_offset``, App. D). Eq. 6:
+``A~ = (r~ - mean) / (std + eps)`` over each token's whitening set: ``zero_fill`` (§2.2) whitens the r~+ field (0 on
+incorrect tokens) and the r~- field (0 on correct ones) over all valid tokens of the scope, a correct token taking
+A~+, an incorrect one A~-; ``joint`` whitens the signed r~ over the scope; ``split`` each polarity's own tokens
+(loses the sign of correctness, §3.7).
 
 Deliberate choices where the paper is silent (each a knob or stated behaviour):
 
@@ -34,13 +36,16 @@ Deliberate choices where the paper is silent (each a knob or stated behaviour):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
 from gtpo.algorithms.conflict_tokens import conflict_weights
+from gtpo.algorithms.gaps import MaskGaps
 from gtpo.algorithms.kernel_dispatch import kernel_guard, kernel_on
+from gtpo.algorithms.token_positions import POSITIONS, position_layout
 from gtpo.knobs import check_choice, check_flag, check_real
 
 __all__ = [
@@ -79,6 +84,10 @@ class GTPOParams:
         conflict_mask: multiply the advantages by GTPO-trajectory's conflict weights (needs ``responses``).
         conflict_lam_pos: conflict-token weight of correct responses (paper B: 2).
         conflict_lam_neg: conflict-token weight of incorrect responses (paper B: 0).
+        position: what "position t" of Eq. 3 / Eq. 5 is when tool tokens sit inside a response (multi-turn tool
+            use, docs/ALGORITHMS.md §13): ``model`` (the index among the model's own tokens), ``raw`` (the column in
+            the response) or ``turn`` (assistant turn and index within it); all three read single-turn responses
+            alike (:mod:`gtpo.algorithms.token_positions`).
     """
 
     alpha1: float = 1.0
@@ -95,6 +104,7 @@ class GTPOParams:
     conflict_mask: bool = False
     conflict_lam_pos: float = 2.0
     conflict_lam_neg: float = 0.0
+    position: str = "model"
 
     def __post_init__(self) -> None:
         check_real("alpha1", self.alpha1, lo=0.0)
@@ -113,6 +123,13 @@ class GTPOParams:
         check_flag("conflict_mask", self.conflict_mask)
         check_real("conflict_lam_pos", self.conflict_lam_pos, lo=0.0)
         check_real("conflict_lam_neg", self.conflict_lam_neg, lo=0.0)
+        check_choice("position", self.position, POSITIONS)
+        if self.position == "turn" and self.conflict_mask:
+            # a conflict run is a completion's leading or trailing run (paper B), not one per turn
+            raise ValueError(
+                "position='turn': conflict_mask=true needs position=model or raw (conflict runs are a whole "
+                "response's leading and trailing runs)"
+            )
 
     @property
     def needs(self) -> tuple[str, ...]:
@@ -140,7 +157,8 @@ def gtpo_token_advantages(
 
     Args:
         entropy: ``[B, L]`` old-policy token entropy (any float dtype; padding may hold anything, NaN included).
-        response_mask: ``[B, L]`` 0/1 (bool, int or float); may hold zeros inside a response (tool tokens).
+        response_mask: ``[B, L]`` 0/1 (bool, int or float); may hold zeros inside a response (tool tokens: their
+            entropy is never read and their advantage is 0; ``params.position`` says where the other tokens sit).
         rewards: ``[B]`` sequence rewards (the verifier's; they decide correctness).
         gid: ``[B]`` int64 group ids in ``0 .. num_groups - 1``; rows in any order, groups of any size.
         num_groups: ``NG``.
@@ -165,6 +183,7 @@ def gtpo_token_advantages(
         check_responses(responses, response_mask)
     correct = rewards.detach() > params.reward_threshold
     base = reward_bases(rewards, correct, params.negative_base, reward_offset)
+    gaps = None  # unknown; the kernel's first pass finds them at no extra cost
     if _on_cpu(entropy, response_mask, responses) and kernel_on("gtpo_token"):
         with kernel_guard("gtpo_token"):  # numba missing or failing: the definition below
             from gtpo.algorithms import kernels
@@ -175,6 +194,16 @@ def gtpo_token_advantages(
                 )
             except kernels.BadValues:  # the check below names the problem
                 pass
+            except MaskGaps:  # tool tokens inside the responses
+                gaps = True
+    layout = position_layout(response_mask, params.position, gaps)
+    if layout is not None:  # tool tokens inside the responses: run where each column is one position, then back
+        advantages, diagnostics = gtpo_token_advantages(
+            layout.gather(entropy), layout.gather(response_mask), rewards, gid, num_groups,
+            dataclasses.replace(params, position="raw"), reward_offset,
+            None if responses is None else layout.gather(responses),
+        )  # fmt: skip
+        return layout.scatter(advantages), diagnostics
     check_token_values(entropy, response_mask.to(entropy.device), params.neg_entropy_tol)
     return gtpo_token_definition(entropy, response_mask, rewards, gid, num_groups, params, reward_offset, responses)
 

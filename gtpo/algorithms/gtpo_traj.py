@@ -45,9 +45,11 @@ from typing import NamedTuple
 import torch
 
 from gtpo.algorithms.conflict_tokens import NCONF_COUNTS, Runs, check_conflict_inputs, conflict_runs, scale_runs
+from gtpo.algorithms.gaps import MaskGaps
 from gtpo.algorithms.group_ops import group_mean_std, per_row, segment_sum
 from gtpo.algorithms.gtpo_token import check_token_values
 from gtpo.algorithms.kernel_dispatch import kernel_guard, kernel_on
+from gtpo.algorithms.token_positions import has_gaps, position_layout
 
 __all__ = [
     "GTPOTrajOutput",
@@ -63,6 +65,9 @@ LN2 = math.log(2.0)
 VARIANTS = ("paper", "code")
 ADV_NORMS = ("std", "none")
 AGGS = ("paper_mean", "code_sum")
+# Readings of "position" for the conflict runs (gtpo.algorithms.token_positions); per turn would put runs in the middle
+# of a completion, which paper B's conflicts are not (docs/ALGORITHMS.md §6.2 point 5, §13).
+TRAJ_POSITIONS = ("model", "raw")
 # Defaults each variant gives to the knobs left at None (docs/ALGORITHMS.md §6.5 table).
 VARIANT_DEFAULTS = {
     "paper": {
@@ -92,6 +97,11 @@ class GTPOTrajParams:
 
     Fields left at ``None`` take the default of ``variant`` (:data:`VARIANT_DEFAULTS`); an explicit value always
     wins. After construction every field holds a concrete value.
+
+    ``position`` says where a token sits for the conflict runs when tool tokens are inside a response (multi-turn
+    tool use, docs/ALGORITHMS.md §13): ``model`` (the runs compare the model's own tokens in order and pass over a
+    tool output) or ``raw`` (columns; a run ends at the first tool token). ``<H>_i`` and the filter average over the
+    model's tokens under both.
     """
 
     variant: str = "paper"
@@ -107,8 +117,11 @@ class GTPOTrajParams:
     agg: str | None = None
     skip_zero_adv_groups: bool | None = None
     eps: float = 1e-6
+    position: str = "model"
 
     def __post_init__(self) -> None:
+        if self.position not in TRAJ_POSITIONS:
+            raise ValueError(f"position={self.position!r}: must be one of {list(TRAJ_POSITIONS)}")
         if self.variant not in VARIANTS:
             raise ValueError(f"variant={self.variant!r}: must be one of {list(VARIANTS)}")
         for name, value in VARIANT_DEFAULTS[self.variant].items():
@@ -205,10 +218,17 @@ def gtpo_traj_advantages(
                     "(or use_ini_gate=false)"
                 )
             measure = True
-    out = trajectory(rewards, response_mask, responses, entropy, gid, num_groups, params, h_ini, measure_h_ini=measure)
+    inputs = (rewards, response_mask, responses, entropy, gid, num_groups, params, h_ini)
+    layout = None
+    try:
+        out = trajectory(*inputs, measure_h_ini=measure, refuse_gaps=params.position != "raw")
+    except MaskGaps:  # tool tokens inside the responses: the runs read the model's tokens in order
+        layout = position_layout(response_mask, params.position, gaps=True)
+        gathered = (layout.gather(response_mask), layout.gather(responses), layout.gather(entropy))
+        out = trajectory(rewards, *gathered, gid, num_groups, params, h_ini, measure_h_ini=measure)
     if measure and state is not None:
         state["h_ini"] = float(out.h_ini)
-    return out.advantages, out.metrics
+    return (out.advantages if layout is None else layout.scatter(out.advantages)), out.metrics
 
 
 @torch.no_grad()
@@ -259,6 +279,7 @@ def trajectory(
     h_ini: float | None = None,
     *,
     measure_h_ini: bool = False,
+    refuse_gaps: bool = False,
 ) -> GTPOTrajOutput:
     """Token-level GTPO-trajectory advantages with every intermediate (docs/ALGORITHMS.md §6.6).
 
@@ -268,6 +289,9 @@ def trajectory(
         gid: ``[B]`` int64 group ids; num_groups: ``NG``. params: resolved :class:`GTPOTrajParams`.
         h_ini: ``<H>_ini`` of the ini gate (overrides ``params.h_ini``; required when the gate is on, unless
             ``measure_h_ini``, which takes this batch's mean over completions of ``<H>_i``).
+        refuse_gaps: raise :class:`gtpo.algorithms.gaps.MaskGaps` when a row's valid tokens are not one
+            block from column 0 (the entry point then runs on its ``position``'s layout); otherwise masked tokens
+            inside a row are holes of the columns (``position=raw``).
     """
     if not isinstance(entropy, torch.Tensor) or entropy.shape != response_mask.shape:
         raise ValueError(
@@ -287,14 +311,17 @@ def trajectory(
 
             try:
                 fields, h_ini, metrics = kernels.gtpo_traj_kernel(
-                    response_mask, responses, entropy, gid.cpu(), num_groups, params, adv, polarity, zero_var, h_ini
-                )
+                    response_mask, responses, entropy, gid.cpu(), num_groups, params, adv, polarity, zero_var, h_ini,
+                    refuse_gaps,
+                )  # fmt: skip
             except kernels.BadValues:  # the check below names the problem
                 fields = None
         if fields is not None:
             runs = Runs(fields.pop("run_fwd"), fields.pop("run_bwd"), fields.pop("last"))
             return GTPOTrajOutput(adv_seq=adv, polarity=polarity, runs=runs, response_mask=response_mask,
                                   h_ini=h_ini, metrics=metrics, **fields)  # fmt: skip
+    if refuse_gaps and has_gaps(response_mask):
+        raise MaskGaps
     check_token_values(entropy, response_mask)
     return gtpo_traj_definition(response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var,
                                 h_ini)  # fmt: skip

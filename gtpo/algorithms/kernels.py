@@ -30,6 +30,11 @@ What each kernel computes is its estimator's definition, in fewer passes:
   positive and a negative completion of the group, and stops at a mask zero), then one write of
   ``A'_i lambda_{i,t} / n_conf_i``.
 - :func:`row_sums`: the sequence reward ``sum_t r_{i,t}`` and the lengths, on the kernels' threads.
+- Tool tokens inside responses (multi-turn): the GTPO and GTPO-traj kernels raise
+  :class:`gtpo.algorithms.gaps.MaskGaps` after their first pass when a row's valid tokens are not one
+  block from column 0 and the knobs read another position than the column; the estimator then runs them on its
+  position's layout. :func:`mask_has_gaps` is that check alone, for callers without a kernel pass;
+  :func:`compact_rows` / :func:`expand_rows` move a row's model tokens to the front and back (``position=model``).
 
 Shared machinery: numba's options and a private disk cache (:func:`jit_options`; a cache folder someone else can
 write is code they choose, :mod:`gtpo.private_files`), the compile timer, threads (:func:`run_blocks`: the rows in
@@ -56,15 +61,19 @@ import numpy as np
 import torch
 from numba import njit
 
+from gtpo.algorithms.gaps import MaskGaps
 from gtpo.private_files import check_private_dir, private_dir
 
 __all__ = [
     "BadValues",
+    "compact_rows",
     "conflict_runs",
+    "expand_rows",
     "grpo_s_kernel",
     "gtpo_token_kernel",
     "gtpo_traj_kernel",
     "kernel_output",
+    "mask_has_gaps",
     "row_sums",
 ]
 
@@ -358,6 +367,79 @@ def row_sums(values: torch.Tensor) -> torch.Tensor:
     out = np.zeros(rows, np.float64)
     run_blocks(_reward_row_sums, rows, num_threads(rows), lambda lo, hi, w: (x, lo, hi, out))
     return torch.from_numpy(out).to(values.dtype if values.dtype.is_floating_point else torch.float64)
+
+
+# Gaps in the mask (multi-turn tool tokens)
+# -----------------------------------------
+
+
+@njit(**jit_options())
+def _first_gap_row(mask):  # pragma: no cover - compiled
+    """The first row whose valid tokens are not one block from column 0, or -1."""
+    length = mask.shape[1]
+    for i in range(mask.shape[0]):
+        row = mask[i]
+        count = 0
+        last = -1
+        for t in range(length):  # branch-free, so that LLVM vectorises it
+            valid = row[t] != 0
+            count += valid
+            last = max(last, t if valid else -1)
+        if count != last + 1:
+            return i
+    return -1
+
+
+@njit(**jit_options())
+def _compact(values, mask, lo, hi, out):  # pragma: no cover - compiled
+    for i in range(lo, hi):
+        k = 0
+        for t in range(mask.shape[1]):
+            if mask[i, t] != 0:
+                out[i, k] = values[i, t]
+                k += 1
+
+
+@njit(**jit_options())
+def _expand(values, mask, lo, hi, out):  # pragma: no cover - compiled
+    for i in range(lo, hi):
+        k = 0
+        for t in range(mask.shape[1]):
+            if mask[i, t] != 0:
+                out[i, t] = values[i, k]
+                k += 1
+            else:
+                out[i, t] = 0
+
+
+def _as_numpy(values: torch.Tensor) -> np.ndarray:
+    values = values.detach()
+    return (values.view(torch.uint8) if values.dtype == torch.bool else values).contiguous().numpy()
+
+
+def compact_rows(values: torch.Tensor, mask: torch.Tensor, width: int, fill: float | int = 0) -> torch.Tensor:
+    """``[B, L]`` -> ``[B, width]``: each row's values where the mask is non-zero, in order from column 0, ``fill``
+    after them (:class:`gtpo.algorithms.token_positions.CompactLayout`)."""
+    v, m = _as_numpy(values), as_numpy_mask(mask)
+    out = np.full((v.shape[0], width), fill, dtype=v.dtype)
+    run_blocks(_compact, v.shape[0], num_threads(v.shape[0]), lambda lo, hi, w: (v, m, lo, hi, out))
+    result = torch.from_numpy(out)
+    return result.view(torch.bool) if values.dtype == torch.bool else result
+
+
+def expand_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`compact_rows`: ``[B, W]`` -> the mask's ``[B, L]``, 0 where the mask is 0."""
+    v, m = _as_numpy(values), as_numpy_mask(mask)
+    out = np.empty(m.shape, dtype=v.dtype)
+    run_blocks(_expand, v.shape[0], num_threads(v.shape[0]), lambda lo, hi, w: (v, m, lo, hi, out))
+    result = torch.from_numpy(out)
+    return result.view(torch.bool) if values.dtype == torch.bool else result
+
+
+def mask_has_gaps(mask: torch.Tensor) -> bool:
+    """Whether a row of the ``[B, L]`` CPU mask has a masked token before its last valid one (tool tokens inside a
+    response, :func:`gtpo.algorithms.token_positions.has_gaps`)."""
+    return bool(_first_gap_row(as_numpy_mask(mask)) >= 0)
 
 
 # Conflict runs (GTPO-traj; GTPO-token under conflict_mask)
@@ -828,6 +910,7 @@ def _gtpo_token(entropy, response_mask, correct, base, gid, num_groups, params, 
     bt = _Batch(entropy, response_mask, correct, base, gid, num_groups, params)
     if params.weight_scope == "batch":
         coef, sums, tops = bt.batch_weights()  # pass 1
+        bt.refuse_gaps()
         if params.conflict_mask:
             bt.conflict_runs(responses)
         weights = ((coef * sums[:, 1]).sum(-1), (coef * coef * sums[:, 2]).sum(-1), tops[1:], tops[0])
@@ -838,6 +921,7 @@ def _gtpo_token(entropy, response_mask, correct, base, gid, num_groups, params, 
             shaped, _ = bt.group_scopes(coef, responses)
     else:
         shaped, weights = bt.group_scopes(None, responses)
+        bt.refuse_gaps()
     bt.diag.update(_gtpo_diagnostics(params, correct.numpy(), bt.group_of_row, num_groups, bt.n_valid, bt.entropy_sum,
                                 bt.row_stats, shaped, *weights))  # fmt: skip
     return bt.out, bt.diag
@@ -880,6 +964,11 @@ class _Batch:
         """Raise :class:`BadValues` if pass 1 counted a bad mask value or entropy."""
         if errors.any():
             raise BadValues
+
+    def refuse_gaps(self) -> None:
+        """Raise :class:`MaskGaps` after pass 1 if a row has a gap and ``position`` is not the column."""
+        if self.params.position != "raw" and bool((self.n_valid != self.last + 1).any()):
+            raise MaskGaps
 
     def batch_weights(self):
         """Pass 1 over every row (``weight_scope="batch"``), blocks of rows over the threads, each thread with its
@@ -1313,26 +1402,29 @@ def _traj_write(mask, lo, hi, n_valid, last, scale, lam_c, run_fwd, run_bwd, out
             o[t] = 0.0
 
 
-def gtpo_traj_kernel(response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini):
+def gtpo_traj_kernel(response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini,
+                     refuse_gaps=False):  # fmt: skip
     """GTPO-trajectory on CPU tensors after the group advantages (validated by the caller).
 
     Args:
         response_mask, responses, entropy: ``[B, L]``. gid: ``[B]`` int64; num_groups: ``NG``. params: resolved
         ``GTPOTrajParams``. adv, polarity, zero_var: ``centred_advantages`` of the scores. h_ini: ``<H>_ini`` or None
-        (measured on this batch when the gate needs it).
+        (measured on this batch when the gate needs it). refuse_gaps: raise :class:`MaskGaps` after the first pass
+        when a row has a gap (the caller then runs on its ``position``'s layout).
 
     Returns:
         ``(fields, h_ini, metrics)``: the ``[B, L]`` advantages and the per-row tensors of
         :class:`gtpo.algorithms.gtpo_traj.GTPOTrajOutput`, the ``<H>_ini`` used, the unprefixed metrics.
     """
     with compile_timer() as timer:
-        out = _gtpo_traj(response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini)
+        out = _gtpo_traj(response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini,
+                         refuse_gaps)  # fmt: skip
     if timer.seconds > 0:
         out[2]["kernel_compile_s"] = timer.seconds
     return out
 
 
-def _gtpo_traj(response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini):
+def _gtpo_traj(response_mask, responses, entropy, gid, num_groups, params, adv, polarity, zero_var, h_ini, refuse_gaps):
     # float32 / float64 entropy is read as it is, other float types as float32
     values = (entropy if entropy.dtype in (torch.float32, torch.float64) else entropy.float()).detach()
     values = values.contiguous().numpy()
@@ -1347,6 +1439,8 @@ def _gtpo_traj(response_mask, responses, entropy, gid, num_groups, params, adv, 
     run_blocks(_traj_row_sums, b, threads, lambda lo, hi, w: (values, mask, lo, hi, n, last, hsum))
     if not np.isfinite(hsum).all():
         raise BadValues
+    if refuse_gaps and bool((n != last + 1).any()):
+        raise MaskGaps
     valid_rows = n > 0
     h_bar = (hsum / np.maximum(n, 1)).astype(np.float32)
     if params.use_ini_gate and h_ini is None:

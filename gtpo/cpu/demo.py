@@ -6,8 +6,10 @@
 
 Task: prompt ``say <d>`` with ``d`` in 0..9; reward 1 if the first whitespace-separated word of the response is ``d``,
 else 0 (``--task second_word``: the second word must be ``d``, the first is free; same prompts, model and settings, a
-separate asset folder). GTPO (arXiv 2508.04349) counts a response as correct when its reward is ``> 0`` and uses the
-literal -1 as the negative base (Eq. 5), so the 0/1 reward needs no rescaling.
+separate asset folder; ``--task tool_lookup``: verl's tool agent loop, the answer only a tool call reveals, its own
+tokenizer, data and tool config, :mod:`gtpo.cpu.tool_task`). GTPO (arXiv 2508.04349) counts a response as correct
+when its reward is ``> 0`` and uses the literal -1 as the negative base (Eq. 5), so the 0/1 reward needs no
+rescaling.
 The data set is the ten prompts repeated, so the demo shows that the reward signal flows through verl (rollout,
 reward, estimator, PPO update, weight sync), not generalisation.
 
@@ -58,7 +60,8 @@ Deliberate choices:
 Modules: :mod:`gtpo.cpu.demo_task` (task, reward, assets), :mod:`gtpo.cpu.demo_trainer` (trainer overrides and
 command), :mod:`gtpo.cpu.demo_results` (rewards, summary, plots), :mod:`gtpo.cpu.demo_progress` (the live line);
 this module is the command line and :func:`run_demo`, and re-exports their names
-(``reward.custom_reward_function.path=pkg://gtpo.cpu.demo`` loads :func:`compute_score` from here).
+(``reward.custom_reward_function.path=pkg://gtpo.cpu.demo`` loads :func:`compute_score` from here: it scores every
+task's rows).
 """
 
 from __future__ import annotations
@@ -108,11 +111,11 @@ from gtpo.cpu.demo_task import (
     build_rows,
     build_tokenizer,
     check_task,
-    compute_score,
     recipe_key,
     score_response,
     task_data_source,
 )
+from gtpo.cpu.demo_task import compute_score as word_task_score
 from gtpo.cpu.demo_trainer import (
     DEMO_SETTINGS,
     METHOD_SETTINGS,
@@ -123,7 +126,21 @@ from gtpo.cpu.demo_trainer import (
     trainer_command,
     trainer_env,
 )
+from gtpo.cpu.tool_task import DATA_SOURCE as TOOL_DATA_SOURCE
+from gtpo.cpu.tool_task import score as tool_task_score
 from gtpo.trainer.guard.watchdog import find_expiry
+
+# The tool task (gtpo.cpu.tool_task): the demo's trainer settings plus verl's tool agent loop.
+TOOL_TASK = "tool_lookup"
+
+
+def compute_score(data_source=None, solution_str: str = "", ground_truth: str = "", extra_info=None, **kwargs) -> float:
+    """verl custom reward of every demo task: the tool task's rows (``cpu_demo/tool_lookup``) by
+    :func:`gtpo.cpu.tool_task.score`, the word tasks' by :func:`gtpo.cpu.demo_task.compute_score`."""
+    if data_source == TOOL_DATA_SOURCE:
+        return tool_task_score(solution_str, ground_truth)
+    return word_task_score(data_source, solution_str, ground_truth, extra_info, **kwargs)
+
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -191,8 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--task",
         default=DEFAULT_TASK,
-        choices=list(TASK_WORD_INDEX),
-        help="say_digit (default: the first response word must be the digit) or second_word (the second must)",
+        choices=[*TASK_WORD_INDEX, TOOL_TASK],
+        help="say_digit (default: the first response word must be the digit), second_word (the second must) or "
+        "tool_lookup (verl's tool agent loop: the digit comes only from a tool call, gtpo.cpu.tool_task)",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="kill the trainer after this many seconds")
     p.add_argument("--cache-dir", default=None, help="asset cache (default $GTPO_CACHE_DIR or ~/.cache/gtpo/tiny)")
@@ -239,7 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --steps {args.steps}: must be >= 1", file=sys.stderr)
         return 2
 
-    assets = build_demo_assets(args.cache_dir, seed=args.seed, task=args.task)
+    if args.task == TOOL_TASK:
+        from gtpo.cpu.tool_task import build_tool_task_assets, tool_task_overrides
+
+        assets = build_tool_task_assets(args.cache_dir, seed=args.seed)
+        extra = [*tool_task_overrides(assets), *extra]  # after the demo's settings; the caller's still come last
+    else:
+        assets = build_demo_assets(args.cache_dir, seed=args.seed, task=args.task)
     if args.assets_only:
         print(json.dumps(asdict(assets), indent=1))
         return 0

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gtpo.launch.batch_checks import batch_plan, ulysses_size, verl_mode
 from gtpo.methods import ENTROPY, KNOBS, METHODS, entropy_available, fields_needed, knob, recipe_estimator
+from gtpo.tools.config import check_multi_turn
 
 __all__ = ["Checked", "check_config", "check_cpu_backend", "check_overlong_shaping",
            "check_world_size_before_launch", "prepare_launch", "validate_recipe_config"]  # fmt: skip
@@ -228,6 +229,7 @@ def validate_recipe_config(config: DictConfig) -> dict[str, Any]:
     check_grop_and_forking(config, knobs)
     check_recipe_needs(config, knobs["forking"])
     check_verl_mode_constraints(config)
+    check_multi_turn(config)  # the tool config, the parser and the turn limits, before an agent-loop worker reads them
     return batch_plan(config)
 
 

@@ -67,6 +67,8 @@ def _usage() -> str:
     for adapter in presets("adapter"):
         sized = [m for m in presets("model") if missing_piece("adapter", adapter, m) is None]
         lines.append(f"adapter={adapter}: for {', '.join(sized)} (configs/adapter/model/{adapter}_<model>.yaml)")
+    for agent in presets("agent"):
+        lines.append(f"agent={agent}: verl's multi-turn tool loop (configs/agent/{agent}.yaml, docs/tool-use.md)")
     scripts = sorted(p.name for p in (REPO_ROOT / "scripts").glob("run_*.sh") if "/run.sh" in p.read_text())
     lines += ["published runs (scripts/):", *(f"  {name}" for name in scripts), ""]
     lines += [

@@ -60,6 +60,7 @@ class Architecture:
 KNOWN_MODELS = {
     "Qwen2.5-3B": Architecture(36, 2048, 16, 2, 128, 11008, 151936, True),
     "Qwen2.5-7B": Architecture(28, 3584, 28, 4, 128, 18944, 152064, False),
+    "Qwen2.5-7B-Instruct": Architecture(28, 3584, 28, 4, 128, 18944, 152064, False),  # the tool-use launcher's
     "Qwen2.5-32B": Architecture(64, 5120, 40, 8, 128, 27648, 152064, False),
     "Qwen2.5-0.5B-Instruct": Architecture(24, 896, 14, 2, 64, 4864, 151936, True),
     "Qwen3-8B-Base": Architecture(36, 4096, 32, 8, 128, 12288, 151936, False, qkv_bias=False, qk_norm=True),

@@ -23,6 +23,7 @@ from verl.trainer.ppo.ray_trainer import apply_kl_penalty
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 from verl.workers.utils.padding import response_to_nested
 
+from gtpo.algorithms.token_positions import tool_turn_metrics
 from gtpo.algorithms.token_selection import FRACTION_KEY, THRESHOLD_KEY, batch_threshold_extra_info
 from gtpo.methods import ENTROPY, FIELDS, fields_needed, knob, recipe_estimator
 from gtpo.trainer.group_sizes import group_size_metrics
@@ -74,7 +75,9 @@ class AdvantageHandoff:
     * ``on_init_end``: the actor loss installed in the workers (:func:`gtpo.verl_plugin.actor_loss.install`).
 
     Each estimator call logs what it saw: ``<estimator>/estimator_rows``, ``estimator_groups``,
-    ``estimator_calls_total`` and the groups failed rollout sessions left short (:mod:`gtpo.trainer.group_sizes`).
+    ``estimator_calls_total``, the groups failed rollout sessions left short (:mod:`gtpo.trainer.group_sizes`) and,
+    with ``actor_rollout_ref.rollout.multi_turn.enable``, what the tool turns did
+    (:func:`gtpo.algorithms.token_positions.tool_turn_metrics`).
     Under ``separate_async`` verl computes the advantages once per ``parameter_sync_step`` slice, so these (and
     ``forking/batch_scope_rows``) cover a slice. The estimator's cross-step state is its block of ``recipe_state``
     (:class:`gtpo.trainer.resume.hooks.ResumeHooks`, which saves and restores it).
@@ -148,6 +151,11 @@ class AdvantageHandoff:
         # Groups that failed rollout sessions left short of rollout.n responses: logged, or refused.
         refuse_short = knob(algorithm, "groups").refuse_short
         metrics.update(group_size_metrics(index, int(self.config.actor_rollout_ref.rollout.n), name, refuse_short))
+        entropy = real_rows(FIELDS[ENTROPY])
+        if self.config.actor_rollout_ref.rollout.multi_turn.get("enable", False) and entropy is not None:
+            # what the tool turns did this step (ARPO's signal: the entropy of the first token after a tool output)
+            used = tool_turn_metrics(data.batch["response_mask"][rows], entropy)
+            metrics.update({f"{name}/{key}": value for key, value in used.items()})
         adv_real, ret_real = get_adv_estimator_fn(name)(
             token_level_rewards=token_level_rewards[rows],
             response_mask=data.batch["response_mask"][rows],

@@ -1,4 +1,4 @@
-"""Register the recipe into verl: every row of the method table, and the trainer modes.
+"""Register the recipe into verl: every row of the method table, the trainer modes and the tool-call parser.
 
 verl imports this module in every process that imports verl, through either hook:
 
@@ -11,8 +11,9 @@ verl imports this module in every process that imports verl, through either hook
 What gets registered: each row of :data:`gtpo.methods.METHODS` with a recipe estimator under its ``adv_estimator``
 (``gtpo``, ``grpo_s``, ``gtpo_traj``) and each row's policy loss under its name (``grpo_s``), through the one adapter
 of :mod:`gtpo.verl_plugin.estimators`; the trainer modes ``gtpo_sync``, ``gtpo_colocate_async`` and
-``gtpo_separate_async`` (``trainer.v1.trainer_mode``) are registered by :mod:`gtpo.trainer.modes` on import. A row
-added later (:func:`register_method`: a test's toy method) is registered the same way.
+``gtpo_separate_async`` (``trainer.v1.trainer_mode``) are registered by :mod:`gtpo.trainer.modes` on import, and the
+tool-call parser ``gtpo_hermes`` (``multi_turn.format``) by :mod:`gtpo.tools.hermes`. A row added later
+(:func:`register_method`: a test's toy method) is registered the same way.
 
 Importing twice is harmless: verl's ``register_adv_est`` and ``register_policy_loss`` reject only a *different*
 function under a taken name, and each row's function is built once.
@@ -28,6 +29,7 @@ from verl.trainer.ppo.core_algos import (
 )
 
 from gtpo import methods
+from gtpo.tools import hermes  # noqa: F401 - importing it registers the gtpo_hermes tool-call parser into verl
 from gtpo.trainer import mode_names, modes  # noqa: F401 - importing modes registers the trainer modes into verl
 from gtpo.verl_plugin.estimators import VerlEstimator, verl_policy_loss
 

@@ -47,6 +47,14 @@ class Response:
     score: float | None = None
     acc: bool | None = None
     correct: bool | None = None
+    model_mask: np.ndarray | None = None  # [T] bool: False on tool-output tokens (multi-turn), None: all the model's
+
+    @property
+    def tool(self) -> np.ndarray:
+        """``[T]`` bool: the tool-output tokens of the response (none without a ``model_mask``)."""
+        if self.model_mask is None:
+            return np.zeros(len(self.tokens), dtype=bool)
+        return ~self.model_mask
 
 
 def _float_array(values: Any, n: int, field: str, where: str) -> np.ndarray | None:
@@ -56,6 +64,15 @@ def _float_array(values: Any, n: int, field: str, where: str) -> np.ndarray | No
     if arr.shape != (n,):
         raise ValueError(f"{where}: {field} has {arr.shape[0]} values for {n} response_tokens")
     return arr
+
+
+def _model_mask(values: Any, n: int, where: str) -> np.ndarray | None:
+    if values is None:
+        return None
+    arr = np.asarray(values)
+    if arr.shape != (n,) or not np.isin(arr, (0, 1)).all():
+        raise ValueError(f"{where}: model_mask must hold {n} values of 0 or 1")
+    return arr.astype(bool)
 
 
 def _group_uid_from_key(key: str) -> str:
@@ -86,6 +103,7 @@ def _parse_record(rec: dict, where: str, tokenizer: Any, correct_threshold: floa
             entropy=_float_array(rec.get("entropy"), n, "entropy", where),
             score=None if score is None else float(score),
             acc=None if rec.get("acc") is None else bool(rec["acc"]),
+            model_mask=_model_mask(rec.get("model_mask"), n, where),
         )
     elif "output" in rec:  # verl's rollout / validation dump (text only)
         text = rec["output"]

@@ -14,6 +14,9 @@ object per response (:data:`TOKEN_DUMP_FIELDS`)::
     entropy          [float] | null   per-token old-policy entropy, same length
     score            float | null     sequence reward (sum of the token-level scores)
     acc              bool | null      verifier verdict when the reward returns "acc"
+    model_mask       [int] | null     1 on the model's own tokens, 0 on tool-output tokens inside the response
+                                      (multi-turn tool use; their advantage and entropy are written null); null
+                                      when every token is the model's
 
 A token whose own decoding is an incomplete UTF-8 sequence (byte-level BPE splits a character across tokens) is
 decoded together with up to three following tokens; the span's text goes to its first token and the rest get
@@ -44,6 +47,7 @@ TOKEN_DUMP_FIELDS = (
     "entropy",
     "score",
     "acc",
+    "model_mask",
 )
 
 
@@ -107,6 +111,7 @@ def token_records(
     prompts: Sequence[str] | None = None,
     keys: Sequence[str] | None = None,
     max_groups: int | None = None,
+    model_mask: Any = None,
 ) -> list[dict]:
     """Build token-dump records (one per response, schema in the module docstring) from padded batch tensors.
 
@@ -124,6 +129,8 @@ def token_records(
         keys: optional ``[B]`` per-sample keys (verl's ``<uid>_<session>_<index>``).
         max_groups: keep only the first ``max_groups`` distinct uids (in order of first appearance), so the
             dump stays small on big batches; ``None`` keeps all.
+        model_mask: optional ``[B, L]`` 1 on the model's own tokens (verl's ``response_mask``), 0 on the tool-output
+            tokens a multi-turn response holds; those stay in the record, marked, with null advantage and entropy.
 
     Returns:
         List of dicts with keys :data:`TOKEN_DUMP_FIELDS`, grouped by uid (first appearance), rows of a group in
@@ -151,6 +158,7 @@ def token_records(
 
     adv = per_token(advantages, "advantages")
     ent = per_token(entropy, "entropy")
+    own = None if model_mask is None else per_token(model_mask, "model_mask") != 0
     score_arr = None
     if scores is not None:
         score_arr = to_numpy(scores, "scores").astype(np.float64)
@@ -179,10 +187,18 @@ def token_records(
         return []
     table = piece_table(tokenizer, resp[rows][mask[rows]])
 
+    def values(arr: np.ndarray | None, r: int, tool: np.ndarray | None) -> list | None:
+        if arr is None:
+            return None
+        row = arr[r][mask[r]]
+        return row.tolist() if tool is None else [None if t else float(v) for v, t in zip(row, tool, strict=True)]
+
     records = []
     for r in rows:
         valid = mask[r]
         ids = resp[r][valid].astype(np.int64)
+        tool = None if own is None else ~own[r][valid]
+        tool = tool if tool is not None and bool(tool.any()) else None
         records.append(
             {
                 "step": int(step),
@@ -191,10 +207,11 @@ def token_records(
                 "prompt": None if prompts is None else str(prompts[r]),
                 "response_tokens": token_texts(tokenizer, ids, table),
                 "token_ids": ids.tolist(),
-                "advantages": None if adv is None else adv[r][valid].tolist(),
-                "entropy": None if ent is None else ent[r][valid].tolist(),
+                "advantages": values(adv, r, tool),
+                "entropy": values(ent, r, tool),
                 "score": None if score_arr is None else float(score_arr[r]),
                 "acc": None if acc_arr is None else bool(acc_arr[r]),
+                "model_mask": None if tool is None else (~tool).astype(int).tolist(),
             }
         )
     return records
@@ -223,8 +240,9 @@ def records_from_batch(
     Args:
         data: mapping returned by ``tq.kv_batch_get`` (a TensorDict, or a dict in tests) with at least ``uid`` and
             ``responses``; used when present: ``prompts``, ``rm_scores``, ``advantages``, ``entropy``,
-            ``response_mask`` (only when ``responses`` is already padded) and ``extra_fields`` (the reward's
-            ``acc`` in ``extra_fields[i]["reward_extra_info"]``). Per-sample tensors may be jagged nested
+            ``response_mask`` (with jagged ``responses``: the tool tokens it marks 0 are kept in the records and
+            marked, ``model_mask``; with padded ``responses``: the tokens it keeps) and ``extra_fields`` (the
+            reward's ``acc`` in ``extra_fields[i]["reward_extra_info"]``). Per-sample tensors may be jagged nested
             ``[B, (T_i)]`` or padded ``[B, L]``.
         tokenizer: the trainer's tokenizer.
         step: training step.
@@ -244,9 +262,12 @@ def records_from_batch(
         raise ValueError(f"records_from_batch: missing field(s) {sorted(missing)}; got {sorted(names)}")
     raw = data["responses"]
     responses = _padded(raw, 0)
+    model_mask = None
     if getattr(raw, "is_nested", False):
         lengths = to_numpy(raw.offsets().diff(), "responses lengths")
         mask = np.arange(responses.shape[1])[None, :] < lengths[:, None]
+        if "response_mask" in names:
+            model_mask = to_numpy(_padded(data["response_mask"], 0), "response_mask")
     elif "response_mask" in names:
         mask = _padded(data["response_mask"], 0)
     else:
@@ -293,6 +314,7 @@ def records_from_batch(
         acc=acc,
         prompts=prompts,
         keys=None if keys is None else [str(keys[r]) for r in rows],
+        model_mask=None if model_mask is None else model_mask[rows],
     )
 
 

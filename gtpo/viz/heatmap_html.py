@@ -1,5 +1,6 @@
 """The heatmap as a self-contained HTML page: inline CSS, no external assets, every token HTML-escaped, whitespace
-made visible, a hover title with the exact value, a colour legend."""
+made visible, a hover title with the exact value, a colour legend; a tool's output inside a multi-turn response in
+grey, without a strip (``data-tool``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import numpy as np
 
 from gtpo.viz.dump_reader import Response
 from gtpo.viz.heatmap_style import (
+    TOOL_FACE,
+    TOOL_LEGEND,
+    TOOL_TEXT,
     ColorScale,
     columns,
     display_text,
@@ -47,6 +51,7 @@ word-break:break-word}
 border-bottom:4px solid transparent}
 .tok:empty{padding:1px 1px;margin-right:0}
 .tok[data-special]{box-shadow:inset 0 0 0 2px #222;font-weight:bold}
+.tok[data-tool]{font-style:italic}
 """
 
 
@@ -91,7 +96,16 @@ def _response_html(r: Response, mode: str, scale: ColorScale, strip_scale: Color
     strips = hex_colors(strip_scale.rgba(token_values(r, strip_scale.mode))) if strip_scale is not None else None
     label = mode_label(mode)
     spans = []
+    tool = r.tool
     for i, tok in enumerate(r.tokens):
+        if tool[i]:
+            title = f"tool output #{i}" + (f" id={r.token_ids[i]}" if r.token_ids is not None else "")
+            title += "\nmasked: no advantage, entropy not used"
+            spans.append(
+                f'<span class="tok" data-i="{i}" data-tok="{_attr(tok)}" data-tool title="{_attr(title)}" '
+                f'style="background:{TOOL_FACE};color:{TOOL_TEXT}">{_visible(tok)}</span>'
+            )
+            continue
         title = f"{label}={fmt_value(vals[i])}" if mode != "none" else f"token #{i}"
         if mode != "none":
             title += f"\n#{i}"
@@ -134,6 +148,9 @@ def render_html(
         f"<h1>{html.escape(title)}</h1>",
         _legends_html(scale, strip_scale),
     ]
+    if any(r.tool.any() for r in shown):
+        sample = f'<span class="tok" data-tool style="background:{TOOL_FACE};color:{TOOL_TEXT}">tool</span>'
+        parts.append(f'<div class="legend">{sample}<span>{html.escape(TOOL_LEGEND)}</span></div>')
     for g in groups:
         cols = columns(g)
         step = g[0].step

@@ -4,8 +4,8 @@ Layout, top to bottom: the title; a legend band stating the box scale and the st
 whole figure, drawn in rows of their own so nothing overlaps); then one block per prompt group, headed by the
 prompt's text, with the correct and the incorrect responses side by side. Each token is a box with a gap after it
 (so boundaries are visible), spaces shown as ``·``, newlines as ``↵`` (and a line break), special tokens framed;
-under each box a thin strip shows the second signal (entropy under advantage boxes). Lines wrap at
-``width_chars`` character cells.
+under each box a thin strip shows the second signal (entropy under advantage boxes). A tool's output inside a
+multi-turn response is a grey box with grey text and no strip. Lines wrap at ``width_chars`` character cells.
 
 A response longer than ``png_max_tokens`` is drawn in compact mode: an overview row of the whole response (one
 cell per bin of tokens, binned means of both signals) with the chosen spans outlined, then the
@@ -25,6 +25,9 @@ import numpy as np
 
 from gtpo.viz.dump_reader import Response
 from gtpo.viz.heatmap_style import (
+    TOOL_FACE,
+    TOOL_LEGEND,
+    TOOL_TEXT,
     ColorScale,
     columns,
     credited_spans,
@@ -108,8 +111,10 @@ def _token_rows(
     box: np.ndarray,
     strip: np.ndarray | None,
     width: float,
+    tool: np.ndarray | None = None,
 ) -> float:
-    """Draw wrapped token boxes (colours ``box`` ``[T, 4]``, optional ``strip`` ``[T, 4]``); returns the next row."""
+    """Draw wrapped token boxes (colours ``box`` ``[T, 4]``, optional ``strip`` ``[T, 4]``; ``tool`` ``[T]`` bool: the
+    tool-output tokens, grey and without a strip); returns the next row."""
     bgs, dark = hex_colors(box), text_is_dark(box)
     strips = hex_colors(strip) if strip is not None else None
     box_h = 0.62 if strips is not None else 0.8
@@ -117,17 +122,12 @@ def _token_rows(
         for i, shown, x, w in line:
             special = is_special(tokens[i])
             edge, lw = ("#222222", 0.9) if special else ("#00000050", 0.4)
-            cv.rect(x0 + x, y + 0.08, w, box_h, bgs[i], edge, lw)
-            if strips is not None:
+            from_tool = tool is not None and bool(tool[i])
+            cv.rect(x0 + x, y + 0.08, w, box_h, TOOL_FACE if from_tool else bgs[i], edge, lw)
+            if strips is not None and not from_tool:
                 cv.rect(x0 + x, y + 0.74, w, 0.2, strips[i])
-            cv.text(
-                x0 + x + w / 2,
-                y + 0.08 + box_h / 2,
-                shown,
-                "#000" if dark[i] else "#fff",
-                "bold" if special else "normal",
-                "center",
-            )
+            colour = TOOL_TEXT if from_tool else "#000" if dark[i] else "#fff"
+            cv.text(x0 + x + w / 2, y + 0.08 + box_h / 2, shown, colour, "bold" if special else "normal", "center")
         y += 1
     return y
 
@@ -187,7 +187,7 @@ def _compact_rows(
         y += 1
         box = scale.rgba(values[start:end])
         strip = strip_scale.rgba(strip_values[start:end]) if strip_scale is not None else None
-        y = _token_rows(cv, x0, y, r.tokens[start:end], box, strip, width) + 0.3
+        y = _token_rows(cv, x0, y, r.tokens[start:end], box, strip, width, r.tool[start:end]) + 0.3
     return y
 
 
@@ -274,6 +274,10 @@ def render_png(
         y = _legend_rows(
             cv, y + 0.2, f"strip under each token: {scale_label(strip_scale)}; one scale likewise", strip_scale
         )
+    if any(r.tool.any() for r in shown_all):
+        cv.rect(0, y + 0.28, 3.0, 0.62, TOOL_FACE, "#00000050", 0.4)
+        cv.text(3.8, y + 0.6, TOOL_LEGEND, "#222")
+        y += 1.2
     y += 0.8
     truncated = False
     for g in groups:
@@ -302,7 +306,7 @@ def render_png(
                     strip_rgba = (
                         strip_scale.rgba(token_values(r, strip_scale.mode)[: len(toks)]) if strip_scale else None
                     )
-                    cy = _token_rows(cv, x0, cy, toks, box, strip_rgba, width_chars)
+                    cy = _token_rows(cv, x0, cy, toks, box, strip_rgba, width_chars, r.tool[: len(toks)])
                     if len(r.tokens) > png_max_tokens:
                         cv.text(x0, cy + 0.5, f"… {len(r.tokens) - png_max_tokens:,} more tokens", "#888")
                         cy += 1

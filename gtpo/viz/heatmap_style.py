@@ -2,7 +2,9 @@
 
 One figure, two signals: the box colour of each token shows the chosen ``color`` mode on one scale fitted over
 every token of the figure, and a thin strip under each box (hover text in the HTML) shows the other per-token
-signal: entropy under advantage boxes, advantage under entropy boxes (:func:`strip_mode`).
+signal: entropy under advantage boxes, advantage under entropy boxes (:func:`strip_mode`). A tool-output token inside
+a multi-turn response (``model_mask`` 0 in the dump) has neither: it is drawn as a grey box with grey text
+(:data:`TOOL_FACE`, :data:`TOOL_TEXT`) and no strip, since no advantage reaches it and no estimator reads its entropy.
 """
 
 from __future__ import annotations
@@ -16,11 +18,25 @@ import numpy as np
 
 from gtpo.viz.dump_reader import Response
 
-__all__ = ["ADVANTAGE_CMAP", "COLOR_MODES", "ENTROPY_CMAP", "ColorScale", "credited_spans", "prompt_preview"]
+__all__ = [
+    "ADVANTAGE_CMAP",
+    "COLOR_MODES",
+    "ENTROPY_CMAP",
+    "TOOL_FACE",
+    "TOOL_LEGEND",
+    "TOOL_TEXT",
+    "ColorScale",
+    "credited_spans",
+    "prompt_preview",
+]
 
 ADVANTAGE_CMAP = "RdBu"
 ENTROPY_CMAP = "YlOrRd"
 COLOR_MODES = ("advantage", "entropy", "score", "none")
+# Tool-output tokens: a grey outside every colour scale (an advantage of 0 draws white), grey text, no strip.
+TOOL_FACE = "#d4d4d4"
+TOOL_TEXT = "#5f5f5f"
+TOOL_LEGEND = "grey box, no strip: a tool's output inside the response (masked: no advantage, its entropy unused)"
 # Special tokens as tokenizers print them: <|im_end|>, <|endoftext|>, <unk>, </s>, <s>, <pad>, <eos>.
 _SPECIAL_RE = re.compile(r"^<\|[^|<>\s]+\|>$|^</?(s|unk|pad|eos|bos|mask)>$")
 # Chat-templated prompts decoded without special tokens read "system\n...\nuser\n<question>\nassistant\n".
@@ -85,14 +101,19 @@ def text_is_dark(rgba: np.ndarray) -> np.ndarray:
 
 
 def token_values(resp: Response, mode: str) -> np.ndarray | None:
+    """The ``[T]`` values a mode shows, NaN on tool-output tokens (they carry none)."""
     n = len(resp.tokens)
     if mode == "advantage":
-        return resp.advantages
-    if mode == "entropy":
-        return resp.entropy
-    if mode == "score":
-        return None if resp.score is None else np.full(n, resp.score)
-    return np.full(n, math.nan)
+        values = resp.advantages
+    elif mode == "entropy":
+        values = resp.entropy
+    elif mode == "score":
+        values = None if resp.score is None else np.full(n, resp.score)
+    else:
+        return np.full(n, math.nan)
+    if values is None or resp.model_mask is None:
+        return values
+    return np.where(resp.model_mask, values, math.nan)
 
 
 def check_mode(responses: Sequence[Response], mode: str) -> None:
@@ -233,6 +254,8 @@ def fmt_value(v: float) -> str:
 
 def response_meta(r: Response, with_key: bool = True) -> str:
     parts = [f"{len(r.tokens):,} tokens"]
+    if r.model_mask is not None:
+        parts.append(f"{int(r.tool.sum()):,} from tools")
     if r.score is not None:
         parts.append(f"score={r.score:g}")
     if r.acc is not None:

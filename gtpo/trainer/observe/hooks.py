@@ -19,8 +19,9 @@ STALENESS_METRICS = {
     "training/off_policy/trajectory_staleness/max": "trajectory_staleness_max",
     "training/off_policy/trajectory_spans/max": "trajectory_spans_max",
 }
-# What the token dump reads beside the method's needs (gtpo.viz.dump_writer.records_from_batch).
-DUMP_FIELDS = ["uid", "prompts", "responses", "rm_scores", "advantages", "extra_fields"]
+# What the token dump reads beside the method's needs (gtpo.viz.dump_writer.records_from_batch); response_mask marks
+# the tool-output tokens of multi-turn responses.
+DUMP_FIELDS = ["uid", "prompts", "responses", "response_mask", "rm_scores", "advantages", "extra_fields"]
 
 
 class ObserveHooks:
