@@ -27,7 +27,8 @@ __all__ = ["Checked", "check_config", "check_cpu_backend", "check_overlong_shapi
            "check_world_size_before_launch", "prepare_launch", "validate_recipe_config"]  # fmt: skip
 
 # Attention implementations verl's Ulysses all-to-all wraps, and the CPU backend's SDPA that does the same.
-ULYSSES_ATTENTION = ("flash_attention_2", "flash_attention_3", "gtpo_cpu_sdpa")
+CPU_ATTENTION = "gtpo_cpu_sdpa"
+ULYSSES_ATTENTION = ("flash_attention_2", "flash_attention_3", CPU_ATTENTION)
 # Checkpoint-engine backend -> the modules its verl engine imports, and where they come from.
 ENGINE_MODULES = {"nccl": ("cupy",), "nixl": ("cupy", "nixl"), "mooncake": ("mooncake",)}
 MODULE_PACKAGES = {"cupy": "cupy-cuda13x", "nixl": "nixl", "mooncake": "mooncake-transfer-engine"}
@@ -124,6 +125,20 @@ def check_sequence_parallel_attention(config: DictConfig) -> None:
             )
 
 
+def check_cpu_attention(config: DictConfig) -> None:
+    """The CPU backend's attention only with the CPU backend: on a GPU run ``gtpo_cpu_sdpa`` is a name transformers
+    knows only once ``gtpo.cpu`` registered it, which the image does not ship, so every worker would fail building the
+    model after the GPUs are allocated."""
+    attention = str(_get(config, "actor_rollout_ref.model.override_config.attn_implementation", "flash_attention_2"))
+    device = str(_get(config, "trainer.device", "cuda"))
+    if attention == CPU_ATTENTION and device != "cpu":
+        raise ValueError(
+            f"actor_rollout_ref.model.override_config.attn_implementation={attention} with trainer.device={device}: "
+            "the CPU test backend's attention exists only with the CPU backend (backend=cpu_tiny, trainer.device=cpu); "
+            f"on GPUs use one of {', '.join(ULYSSES_ATTENTION[:2])} (or drop the override)"
+        )
+
+
 def check_grop_and_forking(config: DictConfig, knobs: dict[str, Any]) -> None:
     """GROP only where an estimator applies it, ending where the rollout truncates; the forking loss's
     ``micro_batch`` scope needs the training policy's entropy."""
@@ -215,6 +230,29 @@ def check_verl_mode_constraints(config: DictConfig) -> None:
         )
 
 
+def check_lora_weight_sync(config: DictConfig) -> None:
+    """LoRA only with the naive (in-process) weight sync, the one path on which verl 0.9.1 sends the adapters to vLLM.
+
+    Every other checkpoint engine takes ``update_weights``' first branch: ``get_per_tensor_param()`` with its
+    defaults (``base_sync_done=False``) returns ``collect_lora_params``' base weights with every ``lora_`` tensor
+    skipped and the PEFT config is dropped (``verl/workers/engine_workers.py`` ``update_weights``,
+    ``verl/utils/fsdp_utils.py`` ``collect_lora_params``), so vLLM samples from the frozen base while the actor trains
+    the adapter (verl issue #7495). ``trainer=separate_async`` needs such an engine, so it cannot train LoRA."""
+    model = config.actor_rollout_ref.model
+    rank = int(model.get("lora_rank", 0) or 0) or int((model.get("lora", None) or {}).get("rank", 0) or 0)
+    backend = str(_get(config, "actor_rollout_ref.rollout.checkpoint_engine.backend", "naive"))
+    if rank <= 0 or backend == "naive":
+        return
+    mode = str(config.trainer.v1.trainer_mode)
+    raise ValueError(
+        f"actor_rollout_ref.model.lora_rank={rank} with actor_rollout_ref.rollout.checkpoint_engine.backend={backend} "
+        f"(trainer.v1.trainer_mode={mode}): verl 0.9.1 sends LoRA adapters to vLLM only through the naive in-process "
+        "sync; its other engines send the base weights without the adapters, so every rollout would come from the "
+        "frozen base (verl issue #7495); valid: checkpoint_engine.backend=naive with trainer=sync or "
+        "trainer=colocate_async"
+    )
+
+
 def validate_recipe_config(config: DictConfig) -> dict[str, Any]:
     """The recipe's rules; returns the batch plan. Every knob block of :data:`gtpo.methods.KNOBS` is parsed, also
     those of a method not selected: a typo in any knob fails here instead of being silently ignored."""
@@ -225,9 +263,11 @@ def validate_recipe_config(config: DictConfig) -> dict[str, Any]:
     check_overlong_shaping(config)
     check_checkpoint_saves(config)
     check_sequence_parallel_attention(config)
+    check_cpu_attention(config)
     check_grop_and_forking(config, knobs)
     check_recipe_needs(config, knobs["forking"])
     check_verl_mode_constraints(config)
+    check_lora_weight_sync(config)
     return batch_plan(config)
 
 
