@@ -318,6 +318,36 @@ def check_run_folder(config: DictConfig, environ: Mapping[str, str]) -> None:
             )
 
 
+def check_model_folder(config: DictConfig, environ: Mapping[str, str]) -> None:
+    """Under a launcher (its run in ``environ``), the model folder's ``config.json``, when readable here, is the model
+    the run's model preset is sized for: its budgets, offload and vLLM share are another model's otherwise."""
+    from gtpo.launch.runs import read_preset, run_identity
+    from gtpo.launch.state_memory import model_mismatch
+
+    run = run_identity(environ)
+    if run is None:
+        return
+    hub_id = (read_preset("model", run["model"]).get("actor_rollout_ref") or {}).get("model", {}).get("path", "")
+    expected, path = os.path.basename(str(hub_id)), str(_get(config, "actor_rollout_ref.model.path"))
+    mismatch = model_mismatch(expected, path)
+    if mismatch:
+        raise ValueError(
+            f"actor_rollout_ref.model.path={path}: {mismatch}, but model={run['model']} is sized for {expected}; "
+            f"point MODEL_PATH at a {expected} folder, or run that model's preset"
+        )
+
+
+def check_gpu_memory(config: DictConfig) -> None:
+    """Each pass's peak per GPU (:mod:`gtpo.launch.gpu_peak`, an estimate) fits every GPU the run is sized for
+    (``algorithm.hardware.gpu_memory_gib``), and vLLM's share holds at least one full sequence: refused before Ray
+    otherwise, naming the pass, its terms and the card."""
+    from gtpo.launch.gpu_peak import peak_problems
+
+    problems = peak_problems(config)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 @dataclass(frozen=True)
 class Checked:
     """What :func:`check_config` found: the resolved copy, the batch plan and what verl's ``validate_config`` said."""
@@ -338,6 +368,8 @@ def check_config(config: DictConfig, environ: Mapping[str, str] | None = None) -
     check_cpu_backend(config, environ)
     cfg = resolved_copy(config)
     plan = validate_recipe_config(cfg)
+    check_model_folder(cfg, environ)
+    check_gpu_memory(cfg)
     check_run_folder(cfg, environ)
     use_ref, use_critic, out = bool(need_reference_policy(cfg)), bool(need_critic(cfg)), io.StringIO()
     try:
