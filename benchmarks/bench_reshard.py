@@ -9,9 +9,17 @@ sampled every 10 ms (``RssAnon``: what the process allocated, as opposed to the 
 same process's level after its imports. ``MB/s`` is the checkpoint's bytes over the time (each byte is read once and
 written once).
 
+``--cgroup-limit-mb N`` runs each case in a cgroup v1 memory controller of its own capped at N MB
+(``memory.limit_in_bytes``, as a Slurm step's ``--mem`` or a pod's limit is), which is charged for the process's
+memory and for the page cache it fills, dirty pages included (root only); the table then adds the cgroup's peak
+charge (``memory.max_usage_in_bytes``: resident memory + page cache), the highest dirty page cache sampled every
+10 ms (``memory.stat`` ``dirty`` + ``writeback``) and the OOM kills. ``--code DIR`` measures the ``gtpo`` package in
+DIR (another checkout, e.g. an earlier commit's ``git archive``) instead of this one.
+
 Usage: .venv/bin/python benchmarks/bench_reshard.py [--hidden 1024 --layers 8 --vocab 32000] [--from 4]
-       [--to 2,3,8] [--dir /some/tmp] [--no-write]
-Writes its table into benchmarks/RESULTS.md (section ``reshard``).
+       [--to 2,3,8] [--dir /some/tmp] [--cgroup-limit-mb 512] [--code DIR] [--no-write]
+Writes its table into benchmarks/RESULTS.md (section ``reshard``, or ``reshard_cgroup`` with a cgroup limit, or
+``--section NAME``).
 """
 
 from __future__ import annotations
@@ -109,6 +117,40 @@ def _write_checkpoint(actor: Path, shapes: dict[str, tuple[int, ...]], world_siz
     return sum(p.stat().st_size for p in actor.iterdir() if p.is_file())
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+
+
+def _run_in_cgroup(cmd: list[str], env: dict, limit_mb: int, cwd: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    """``cmd`` in a fresh memory cgroup capped at ``limit_mb``: its result and the cgroup's peaks."""
+    group = CGROUP_ROOT / f"gtpo-bench-reshard-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(limit_mb * 2**20))
+        join = f'echo $$ > {group / "cgroup.procs"} && exec "$@"'
+        proc = subprocess.Popen(["sh", "-c", join, "sh", *cmd], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        dirty = 0
+        while proc.poll() is None:
+            stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
+            dirty = max(dirty, int(stat.get("dirty", 0)) + int(stat.get("writeback", 0)))
+            time.sleep(0.01)
+        out, err = proc.communicate()
+        oom = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
+        peaks = {
+            "charged": int((group / "memory.max_usage_in_bytes").read_text()) / 2**20,
+            "dirty": dirty / 2**20,
+            "oom_kills": int(oom.get("oom_kill", 0)),
+        }
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err), peaks
+    finally:
+        for _ in range(100):  # the killed or exited process leaves the group a moment later
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.05)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -117,6 +159,9 @@ def main() -> None:
     parser.add_argument("--from", dest="world_size_from", type=int, default=4)
     parser.add_argument("--to", default="2,3,8")
     parser.add_argument("--dir", default=None, help="a folder on the disk to measure (default: the system's temp)")
+    parser.add_argument("--cgroup-limit-mb", type=int, default=None, help="run each case in a memory cgroup this size")
+    parser.add_argument("--code", default=str(Path(__file__).resolve().parents[1]), help="the checkout to measure")
+    parser.add_argument("--section", default=None, help="the RESULTS.md section to write (default by the options)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
 
@@ -130,26 +175,69 @@ def main() -> None:
         rows = []
         for world_size_to in [int(w) for w in args.to.split(",")]:
             out = work / f"to{world_size_to}"
-            env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+            env = {
+                **os.environ,
+                "PYTHONPATH": args.code,
+            }  # run from `work`: the checkout's own folder is not on the path
             cmd = [sys.executable, "-c", _CHILD, str(source), str(world_size_to), str(out)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-            result = json.loads(proc.stdout.strip().splitlines()[-1])
-            rows.append(
-                f"| {args.world_size_from} -> {world_size_to} | {size / 2**20:.0f} | {largest_mb:.0f} | "
-                f"{result['seconds']:.1f} | {2 * size / 2**20 / result['seconds']:.0f} | {result['hwm']:.0f} | "
-                f"{result['anon']:.0f} |"
-            )
-            shutil.rmtree(out)
+            if args.cgroup_limit_mb is None:
+                proc, peaks = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work), None
+            else:
+                proc, peaks = _run_in_cgroup(cmd, env, args.cgroup_limit_mb, work)
+            row = f"| {args.world_size_from} -> {world_size_to} | {size / 2**20:.0f} | {largest_mb:.0f} | "
+            if proc.returncode == 0:
+                result = json.loads(proc.stdout.strip().splitlines()[-1])
+                row += (f"{result['seconds']:.1f} | {2 * size / 2**20 / result['seconds']:.0f} | {result['hwm']:.0f} | "
+                        f"{result['anon']:.0f} |")  # fmt: skip
+            elif peaks is None:
+                raise RuntimeError(f"the reshard failed: {proc.stderr[-2000:]}")
+            else:
+                row += f"failed (exit {proc.returncode}) | | | |"
+            if peaks is not None:
+                row += (
+                    f" {args.cgroup_limit_mb} | {peaks['charged']:.0f} | {peaks['dirty']:.0f} | {peaks['oom_kills']} |"
+                )
+            rows.append(row)
+            shutil.rmtree(out, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    columns = (
+        "| W -> W' | checkpoint MB | largest tensor MB | seconds | MB/s (read + write) | peak RSS MB | "
+        "peak anonymous MB |"
+    )
+    rule = "|---|---:|---:|---:|---:|---:|---:|"
+    if args.cgroup_limit_mb is not None:
+        columns += " cgroup limit MB | peak charged MB (RSS + page cache) | peak dirty MB | OOM kills |"
+        rule += "---:|---:|---:|---:|"
     text = (
         f"Model: {params / 1e6:.0f} M float32 parameters (hidden {args.hidden}, {args.layers} layers, vocabulary "
         f"{args.vocab}); checkpoint = parameters + AdamW's two moments = 12 B per parameter; temp folder on "
-        f"{_filesystem(args.dir)}.\n\n"
-        "| W -> W' | checkpoint MB | largest tensor MB | seconds | MB/s (read + write) | peak RSS MB | "
-        "peak anonymous MB |\n|---|---:|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n"
+        f"{_filesystem(args.dir)}; code: {_describe_code(args.code)}.\n\n"
+        + columns
+        + "\n"
+        + rule
+        + "\n"
+        + "\n".join(rows)
+        + "\n"
     )
-    report("reshard", "Reshard a checkpoint to another world size", text, write=not args.no_write)
+    section = args.section or ("reshard" if args.cgroup_limit_mb is None else "reshard_cgroup")
+    title = "Reshard a checkpoint to another world size" + (" under a memory cgroup" if args.cgroup_limit_mb else "")
+    report(section, title + (f" ({args.section})" if args.section else ""), text, write=not args.no_write)
+
+
+def _describe_code(code: str) -> str:
+    """The commit of the checkout measured (``git describe`` or the archive's recorded commit)."""
+    recorded = Path(code) / ".commit"
+    if recorded.is_file():
+        return f"commit {recorded.read_text().strip()[:12]} ({code})"
+    try:
+        out = subprocess.run(["git", "-C", code, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", code, "status", "--porcelain", "gtpo"], capture_output=True, text=True)
+    except OSError:
+        return code
+    if out.returncode != 0:
+        return code
+    return f"commit {out.stdout.strip()}" + (" + uncommitted changes" if dirty.stdout.strip() else "")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

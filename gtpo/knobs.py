@@ -7,7 +7,8 @@ registry of :mod:`gtpo.methods` (``KNOBS``, ``knob()``); this module imports not
 
 The estimators' blocks are defined beside their equations (``gtpo.algorithms.*``); the trainer's own blocks are here:
 ``algorithm.groups`` (:class:`GroupParams`), ``algorithm.watchdog`` (:class:`WatchdogParams`),
-``algorithm.preemption`` (:class:`PreemptionParams`) and ``algorithm.resume`` (:class:`ResumeParams`).
+``algorithm.preemption`` (:class:`PreemptionParams`), ``algorithm.resume`` (:class:`ResumeParams`) and
+``algorithm.hardware`` (:class:`HardwareParams`, the GPUs the launch checks size a run for).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ T = TypeVar("T")
 
 __all__ = [
     "GroupParams",
+    "HardwareParams",
     "PreemptionParams",
     "ResumeParams",
     "WatchdogParams",
@@ -149,10 +151,30 @@ class ResumeParams:
     """``algorithm.resume``."""
 
     other_world_size: str = "reshard"
+    # A checkpoint larger than this (GB, model and optimizer files) is resharded inside the job only when asked
+    # (null: any size): the whole allocation would wait for it.
+    reshard_in_job_max_gb: float | None = 150.0
 
     def __post_init__(self):
         if self.other_world_size not in RESUME_POLICIES:
             raise ValueError(f"other_world_size={self.other_world_size!r}: must be one of {list(RESUME_POLICIES)}")
+        if self.reshard_in_job_max_gb is not None:
+            check_real("reshard_in_job_max_gb", self.reshard_in_job_max_gb, lo=0.0, lo_open=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareParams:
+    """``algorithm.hardware``: the GPU memory (GiB, as ``nvidia-smi`` reports it) a run is sized for."""
+
+    gpu_memory_gib: tuple[float, ...] = (80.0,)
+
+    def __post_init__(self):
+        cards = (self.gpu_memory_gib,) if isinstance(self.gpu_memory_gib, (int, float)) else self.gpu_memory_gib
+        if isinstance(cards, str) or not cards:
+            raise ValueError(f"gpu_memory_gib={self.gpu_memory_gib!r}: must be a list of GiB, e.g. [80] or [24, 48]")
+        for card in cards:
+            check_real("gpu_memory_gib", card, lo=1.0)
+        object.__setattr__(self, "gpu_memory_gib", tuple(float(c) for c in cards))
 
 
 @dataclasses.dataclass(frozen=True)

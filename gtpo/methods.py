@@ -26,7 +26,7 @@ from gtpo.algorithms.gtpo_token import GTPOParams, gtpo_token_advantages
 from gtpo.algorithms.gtpo_traj import GTPOTrajParams, gtpo_traj_advantages
 from gtpo.algorithms.length_penalty import GROPParams
 from gtpo.algorithms.token_selection import ForkingParams
-from gtpo.knobs import GroupParams, PreemptionParams, ResumeParams, WatchdogParams, load_knobs
+from gtpo.knobs import GroupParams, HardwareParams, PreemptionParams, ResumeParams, WatchdogParams, load_knobs
 
 __all__ = [
     "ENTROPY",
@@ -115,13 +115,14 @@ def add(method: Method) -> Method:
 
 
 # Knob blocks under algorithm.* that no method row owns: GROP (read by the estimators that apply it) and the
-# trainer's own (group sizes, stage deadlines, preemption, resume at another world size).
+# trainer's own (group sizes, stage deadlines, preemption, resume at another world size, the GPUs a run is sized for).
 KNOBS: dict[str, type] = {
     "grop": GROPParams,
     "groups": GroupParams,
     "watchdog": WatchdogParams,
     "preemption": PreemptionParams,
     "resume": ResumeParams,
+    "hardware": HardwareParams,
 }
 
 add(Method("grpo", "DeepSeekMath, arXiv 2402.03300", adv_estimator="grpo"))

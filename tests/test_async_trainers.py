@@ -330,7 +330,7 @@ def test_bypass_mode_and_the_forking_loss():
     with pytest.raises(ValueError, match=r"bypass_mode=true with algorithm.forking.scope=batch"):
         _validate([*bypass, "algorithm.forking.scope=batch"])
     # micro_batch: the training policy's entropy, computed in the update itself
-    _validate([*bypass, "algorithm.forking.scope=micro_batch"])
+    _validate([*bypass, "algorithm.forking.scope=micro_batch", "actor_rollout_ref.actor.calculate_entropy=true"])
     with pytest.raises(ValueError, match=r"forking.scope=batch"):
         _validate(bypass)  # the preset selects over the whole batch
     _validate(["trainer=colocate_async", "method=grpo", "algorithm.rollout_correction.bypass_mode=true"])

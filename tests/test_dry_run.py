@@ -151,6 +151,11 @@ def test_rejects_overlong_buffer_trap(monkeypatch, overrides, match):
             ["actor_rollout_ref.actor.loss_agg_mode=token-median"],
             r"(?s)validate_config.*Invalid loss_agg_mode: token-median",
         ),
+        # the CPU backend's attention on a GPU run: every worker would fail building the model, GPUs allocated
+        (
+            ["+actor_rollout_ref.model.override_config.attn_implementation=gtpo_cpu_sdpa"],
+            r"attn_implementation=gtpo_cpu_sdpa with trainer\.device=cuda: the CPU test backend's attention",
+        ),
     ],
 )
 def test_rejects(compose, overrides, match):
@@ -172,20 +177,27 @@ def test_config_left_untouched(compose):
     assert OmegaConf.to_yaml(cfg) == before
 
 
+MICRO_BATCH_SCOPE = ["algorithm.forking.scope=micro_batch", "actor_rollout_ref.actor.calculate_entropy=true"]
+
+
 @pytest.mark.parametrize(
     "size,extra,lines",
     [
-        # the fix: the forking loss detaches the training policy's entropy, so only calculate_entropy's extra logits
-        # copy remains (no in-place cross-entropy backward); the entropy chunks are transient
+        # the preset's scope=batch selects on the old policy's entropy: the training pass computes none, one logits
+        # copy (its gradient written in place), as for the other methods
+        ("7b", [], ["training micro-batch: logits 24,576 x 152,064 x 2 B x 1 = 7.0 GiB (gradient written in place)"]),
+        ("32b", [], ["training micro-batch: logits 22,528 x 152,064 x 2 B x 1 = 6.4 GiB (gradient written in place)"]),
+        # scope=micro_batch: the forking loss detaches the training policy's entropy, so only calculate_entropy's extra
+        # logits copy remains (no in-place cross-entropy backward); the entropy chunks are transient
         (
             "7b",
-            [],
+            MICRO_BATCH_SCOPE,
             [
                 "training micro-batch: logits 24,576 x 152,064 x 2 B x 2 = 13.9 GiB",
                 "entropy chunk 2,048 x 152,064 x 4 B x 3 = 3.5 GiB (transient, forward only: the forking loss detaches",
             ],
         ),
-        ("32b", [], ["training micro-batch: logits 22,528 x 152,064 x 2 B x 2 = 12.8 GiB"]),
+        ("32b", MICRO_BATCH_SCOPE, ["training micro-batch: logits 22,528 x 152,064 x 2 B x 2 = 12.8 GiB"]),
         # with an entropy bonus the gradient flows: the review's 27.8 / 25.5 GiB recompute and 3 logits copies
         (
             "7b",
@@ -404,3 +416,16 @@ def test_the_preflight_and_the_dry_run_cli_print_a_misspelt_key_in_one_line(comp
     err = capsys.readouterr().err
     assert err.startswith("[dry run] FAILED: method=gtpoo: no preset 'gtpoo' in group method; valid: dapo,")
     assert err.count("\n") == 1
+
+
+def test_the_forking_preset_computes_the_training_entropy_only_where_its_scope_reads_it(compose):
+    """scope=batch reads the old policy's entropy: calculate_entropy off (one logits copy less per micro-batch);
+    scope=micro_batch reads the training policy's and is refused without it."""
+    from gtpo.launch.checks import check_config
+
+    preset = compose("method=dapo_forking", "model=qwen2.5_7b")
+    assert preset.algorithm.forking.scope == "batch" and preset.actor_rollout_ref.actor.calculate_entropy is False
+    check_config(preset)
+    with pytest.raises(ValueError, match=r"scope=micro_batch with actor_rollout_ref\.actor\.calculate_entropy=false"):
+        check_config(compose("method=dapo_forking", "model=qwen2.5_7b", "algorithm.forking.scope=micro_batch"))
+    check_config(compose("method=dapo_forking", "model=qwen2.5_7b", *MICRO_BATCH_SCOPE))

@@ -99,3 +99,45 @@ def test_the_demo_trains_lora_adapters_with_one_flag():
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="must be a positive int"):
             lora_overrides(bad)
+
+
+LORA_7B = ["method=gtpo", "model=qwen2.5_7b", "adapter=lora"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["trainer=separate_async", "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"],
+        ["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
+        ["trainer=colocate_async", "actor_rollout_ref.rollout.checkpoint_engine.backend=nixl"],
+    ],
+    ids=["separate_async", "sync-nccl", "colocate_async-nixl"],
+)
+def test_lora_is_refused_where_verl_does_not_send_the_adapter(overrides):
+    """verl 0.9.1's non-naive engines send the base weights without the lora_ tensors and no PEFT config: vLLM would
+    sample from the frozen base while the actor trains the adapter."""
+    from gtpo.launch.checks import check_lora_weight_sync
+
+    cfg = compose([*LORA_7B, *overrides])
+    with pytest.raises(ValueError, match=r"lora_rank=128 with actor_rollout_ref\.rollout\.checkpoint_engine\.backend="):
+        check_lora_weight_sync(cfg)
+
+
+@pytest.mark.parametrize("trainer", ["sync", "colocate_async"])
+def test_lora_is_kept_on_the_naive_sync(trainer):
+    """The two modes the LoRA end-to-end runs prove (tests/test_e2e_lora.py: rollout vs actor log-probs every step)."""
+    from gtpo.launch.checks import check_lora_weight_sync
+
+    cfg = compose([*LORA_7B, f"trainer={trainer}"])
+    assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "naive"
+    check_lora_weight_sync(cfg)
+
+
+def test_the_lora_launcher_refuses_separate_async_before_ray(tmp_path):
+    env = dry_run_env(tmp_path)
+    cmd = ["bash", str(REPO_ROOT / "scripts" / "run_gtpo_qwen2.5_7b_lora.sh"), "trainer=separate_async",
+           "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2, (result.stdout + result.stderr)[-3000:]
+    assert "verl 0.9.1 sends LoRA adapters to vLLM only through the naive in-process sync" in result.stderr
+    assert "[dry run] OK" not in result.stdout

@@ -44,6 +44,8 @@ ITEMS = [
 def write_layout(root: Path, model_name: str = "Qwen2.5-7B", positions: int = 131072) -> dict[str, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
+    import torch
+    from safetensors.torch import save_file
 
     data = root / "data"
     data.mkdir(parents=True)
@@ -63,7 +65,7 @@ def write_layout(root: Path, model_name: str = "Qwen2.5-7B", positions: int = 13
     model.mkdir(parents=True)
     (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": positions}))
     (model / "tokenizer.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"")
+    save_file({"w": torch.zeros(2)}, str(model / "model.safetensors"))
     return {
         "train": data / "dapo_math_17k.parquet",
         "val": data / "aime2024.parquet",
@@ -231,6 +233,50 @@ def test_model_without_weights_fails(compose, layout):
     (layout["model"] / "model.safetensors").unlink()
     rc, lines = run(compose(layout), FakeCluster())
     assert rc == 1 and "no weights" in _fail_line(lines, "model")
+
+
+@pytest.mark.parametrize(
+    "weights,expect",
+    [
+        ({"model.safetensors": b""}, "model.safetensors: 0 bytes, not a safetensors file"),
+        ({"model.safetensors": "truncated"}, r"model.safetensors: \d+ bytes, its header lists"),
+        ({"model-00001-of-00002.safetensors": "whole", "index": ["model-00001-of-00002.safetensors",
+                                                                 "model-00002-of-00002.safetensors"]},
+         r"names 2 shards, 1 missing \(model-00002-of-00002\.safetensors\)"),
+    ],
+    ids=["zero-byte", "truncated", "missing-shard"],
+)  # fmt: skip
+def test_incomplete_weights_fail_the_model_check(compose, layout, weights, expect):
+    """An interrupted download: a zero-byte or cut file, or a shard the index names that never came."""
+    import torch
+    from safetensors.torch import save
+
+    model = layout["model"]
+    (model / "model.safetensors").unlink()
+    whole = save({"w": torch.zeros(64)})
+    for name, content in weights.items():
+        if name == "index":
+            index = {"weight_map": {f"t{i}": shard for i, shard in enumerate(content)}}
+            (model / "model.safetensors.index.json").write_text(json.dumps(index))
+            continue
+        data = {"whole": whole, "truncated": whole[:-16]}.get(content, content)
+        (model / name).write_bytes(data)
+    rc, lines = run(compose(layout), FakeCluster())
+    assert rc == 1 and re.search(expect, _fail_line(lines, "model")), lines
+
+
+def test_a_model_folder_of_another_model_fails_the_config_check(compose, layout):
+    """The 7B preset's launcher with a 32B model's config.json (a newcomer's wrong MODEL_PATH)."""
+    config = {"model_type": "qwen2", "max_position_embeddings": 131072, "num_hidden_layers": 64,
+              "hidden_size": 5120, "num_attention_heads": 40, "num_key_value_heads": 8, "intermediate_size": 27648,
+              "vocab_size": 152064}  # fmt: skip
+    (layout["model"] / "config.json").write_text(json.dumps(config))
+    run_env = json.dumps({"name": "gtpo-qwen2.5-7b", "method": "gtpo", "model": "qwen2.5_7b", "adapter": None,
+                          "changes": []})  # fmt: skip
+    rc, lines = run(compose(layout), FakeCluster(), env={**GOOD_ENV, "GTPO_RUN": run_env})
+    assert rc == 1, lines
+    assert "describes Qwen2.5-32B: layers 64 (not 28)" in _fail_line(lines, "config")
+    assert "but model=qwen2.5_7b is sized for Qwen2.5-7B" in _fail_line(lines, "config")
 
 
 def test_wandb_without_key_or_offline_mode_fails(compose, layout):

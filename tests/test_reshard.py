@@ -255,6 +255,48 @@ def test_what_cannot_be_resharded_is_refused_before_anything_is_written(saved_at
     assert _hashes(folder / "actor") == before and sorted(p.name for p in folder.iterdir()) == ["actor"]
 
 
+def test_a_checkpoint_above_the_in_job_limit_is_refused_with_the_offline_command(saved_at_2, tmp_path):
+    """Inside the job every GPU would wait for the reshard: above algorithm.resume.reshard_in_job_max_gb the run
+    stops before anything is written, printing the command that does it offline; null reshards any size."""
+    folder = _copy(saved_at_2[0], tmp_path)
+    before = _hashes(folder / "actor")
+    _model_dir(tmp_path, folder)
+    config = _run_config(tmp_path, 3)
+    size = checkpoint_world_size.checkpoint_bytes(str(folder)) / 1e9
+    config.algorithm.resume.reshard_in_job_max_gb = size / 2
+    with pytest.raises(RuntimeError) as err:
+        checkpoint_world_size.match_resume_world_size(str(folder), config, SYNC)
+    message = str(err.value)
+    assert f"more than algorithm.resume.reshard_in_job_max_gb={size / 2:g}" in message
+    assert f"`python -m gtpo.trainer.resume.reshard --from {folder} --world-size 3`" in message
+    assert _hashes(folder / "actor") == before
+    config.algorithm.resume.reshard_in_job_max_gb = None
+    assert checkpoint_world_size.match_resume_world_size(str(folder), config, SYNC) == {"actor": 2}
+
+
+def test_rows_are_written_back_slice_by_slice_with_the_same_bytes(saved_at_2, tmp_path, monkeypatch):
+    """The write-back bound: with slices of a few rows every tensor is copied in many pieces, each handed to the
+    write-back (msync-free sync_file_range, then the page cache dropped), and the files are byte-for-byte those of
+    one copy per tensor."""
+    from gtpo.trainer.resume import reshard_shards
+
+    whole = _copy(saved_at_2[0], tmp_path / "whole")
+    reshard_checkpoint(str(whole), 3)
+    sliced = _copy(saved_at_2[0], tmp_path / "sliced")
+    flushed = []
+    real_flush = reshard_shards._WriteBack._flush
+
+    def counting_flush(self, mapped):
+        flushed.append(mapped.numel() * mapped.element_size())
+        real_flush(self, mapped)
+
+    monkeypatch.setattr(reshard_shards, "WRITEBACK_BYTES", 1024)
+    monkeypatch.setattr(reshard_shards._WriteBack, "_flush", counting_flush)
+    reshard_checkpoint(str(sliced), 3)
+    assert max(flushed) <= 1024 and len(flushed) > 100, (max(flushed), len(flushed))
+    assert _hashes(sliced / "actor") == _hashes(whole / "actor")
+
+
 def test_a_lora_checkpoint_for_a_full_run_is_refused(tmp_path):
     actor = tmp_path / "global_step_2" / "actor"
     actor.mkdir(parents=True)

@@ -745,6 +745,20 @@ PINS: tuple[Pin, ...] = (
         "ray",
     ),
     Pin(
+        "stop-channel-kv",
+        "gtpo/trainer/preemption/channel.py",
+        "ray.experimental.internal_kv:_internal_kv_list",
+        "1f819c5af646bc218b53e8f9bd26e882fc0aa926fe0a032a908ef38b90967067",
+        "ray",
+    ),
+    Pin(
+        "stop-channel-kv",
+        "gtpo/trainer/preemption/channel.py",
+        "ray.experimental.internal_kv:_internal_kv_del",
+        "563a5be3bab7a06ffff17b3cf4dc8085e3b50c38530a7632deab9a98e45dcdc3",
+        "ray",
+    ),
+    Pin(
         "dead-recorded-cluster",
         "recipe/gtpo/main_gtpo.py",
         "ray._private.services:canonicalize_bootstrap_address",

@@ -28,7 +28,8 @@ __all__ = ["Checked", "check_config", "check_cpu_backend", "check_overlong_shapi
            "check_world_size_before_launch", "prepare_launch", "validate_recipe_config"]  # fmt: skip
 
 # Attention implementations verl's Ulysses all-to-all wraps, and the CPU backend's SDPA that does the same.
-ULYSSES_ATTENTION = ("flash_attention_2", "flash_attention_3", "gtpo_cpu_sdpa")
+CPU_ATTENTION = "gtpo_cpu_sdpa"
+ULYSSES_ATTENTION = ("flash_attention_2", "flash_attention_3", CPU_ATTENTION)
 # Checkpoint-engine backend -> the modules its verl engine imports, and where they come from.
 ENGINE_MODULES = {"nccl": ("cupy",), "nixl": ("cupy", "nixl"), "mooncake": ("mooncake",)}
 MODULE_PACKAGES = {"cupy": "cupy-cuda13x", "nixl": "nixl", "mooncake": "mooncake-transfer-engine"}
@@ -125,6 +126,20 @@ def check_sequence_parallel_attention(config: DictConfig) -> None:
             )
 
 
+def check_cpu_attention(config: DictConfig) -> None:
+    """The CPU backend's attention only with the CPU backend: on a GPU run ``gtpo_cpu_sdpa`` is a name transformers
+    knows only once ``gtpo.cpu`` registered it, which the image does not ship, so every worker would fail building the
+    model after the GPUs are allocated."""
+    attention = str(_get(config, "actor_rollout_ref.model.override_config.attn_implementation", "flash_attention_2"))
+    device = str(_get(config, "trainer.device", "cuda"))
+    if attention == CPU_ATTENTION and device != "cpu":
+        raise ValueError(
+            f"actor_rollout_ref.model.override_config.attn_implementation={attention} with trainer.device={device}: "
+            "the CPU test backend's attention exists only with the CPU backend (backend=cpu_tiny, trainer.device=cpu); "
+            f"on GPUs use one of {', '.join(ULYSSES_ATTENTION[:2])} (or drop the override)"
+        )
+
+
 def check_grop_and_forking(config: DictConfig, knobs: dict[str, Any]) -> None:
     """GROP only where an estimator applies it, ending where the rollout truncates; the forking loss's
     ``micro_batch`` scope needs the training policy's entropy."""
@@ -216,6 +231,29 @@ def check_verl_mode_constraints(config: DictConfig) -> None:
         )
 
 
+def check_lora_weight_sync(config: DictConfig) -> None:
+    """LoRA only with the naive (in-process) weight sync, the one path on which verl 0.9.1 sends the adapters to vLLM.
+
+    Every other checkpoint engine takes ``update_weights``' first branch: ``get_per_tensor_param()`` with its
+    defaults (``base_sync_done=False``) returns ``collect_lora_params``' base weights with every ``lora_`` tensor
+    skipped and the PEFT config is dropped (``verl/workers/engine_workers.py`` ``update_weights``,
+    ``verl/utils/fsdp_utils.py`` ``collect_lora_params``), so vLLM samples from the frozen base while the actor trains
+    the adapter (verl issue #7495). ``trainer=separate_async`` needs such an engine, so it cannot train LoRA."""
+    model = config.actor_rollout_ref.model
+    rank = int(model.get("lora_rank", 0) or 0) or int((model.get("lora", None) or {}).get("rank", 0) or 0)
+    backend = str(_get(config, "actor_rollout_ref.rollout.checkpoint_engine.backend", "naive"))
+    if rank <= 0 or backend == "naive":
+        return
+    mode = str(config.trainer.v1.trainer_mode)
+    raise ValueError(
+        f"actor_rollout_ref.model.lora_rank={rank} with actor_rollout_ref.rollout.checkpoint_engine.backend={backend} "
+        f"(trainer.v1.trainer_mode={mode}): verl 0.9.1 sends LoRA adapters to vLLM only through the naive in-process "
+        "sync; its other engines send the base weights without the adapters, so every rollout would come from the "
+        "frozen base (verl issue #7495); valid: checkpoint_engine.backend=naive with trainer=sync or "
+        "trainer=colocate_async"
+    )
+
+
 def validate_recipe_config(config: DictConfig) -> dict[str, Any]:
     """The recipe's rules; returns the batch plan. Every knob block of :data:`gtpo.methods.KNOBS` is parsed, also
     those of a method not selected: a typo in any knob fails here instead of being silently ignored."""
@@ -226,10 +264,12 @@ def validate_recipe_config(config: DictConfig) -> dict[str, Any]:
     check_overlong_shaping(config)
     check_checkpoint_saves(config)
     check_sequence_parallel_attention(config)
+    check_cpu_attention(config)
     check_grop_and_forking(config, knobs)
     check_recipe_needs(config, knobs["forking"])
     check_verl_mode_constraints(config)
     check_multi_turn(config)  # the tool config, the parser and the turn limits, before an agent-loop worker reads them
+    check_lora_weight_sync(config)
     return batch_plan(config)
 
 
@@ -280,6 +320,36 @@ def check_run_folder(config: DictConfig, environ: Mapping[str, str]) -> None:
             )
 
 
+def check_model_folder(config: DictConfig, environ: Mapping[str, str]) -> None:
+    """Under a launcher (its run in ``environ``), the model folder's ``config.json``, when readable here, is the model
+    the run's model preset is sized for: its budgets, offload and vLLM share are another model's otherwise."""
+    from gtpo.launch.runs import read_preset, run_identity
+    from gtpo.launch.state_memory import model_mismatch
+
+    run = run_identity(environ)
+    if run is None:
+        return
+    hub_id = (read_preset("model", run["model"]).get("actor_rollout_ref") or {}).get("model", {}).get("path", "")
+    expected, path = os.path.basename(str(hub_id)), str(_get(config, "actor_rollout_ref.model.path"))
+    mismatch = model_mismatch(expected, path)
+    if mismatch:
+        raise ValueError(
+            f"actor_rollout_ref.model.path={path}: {mismatch}, but model={run['model']} is sized for {expected}; "
+            f"point MODEL_PATH at a {expected} folder, or run that model's preset"
+        )
+
+
+def check_gpu_memory(config: DictConfig) -> None:
+    """Each pass's peak per GPU (:mod:`gtpo.launch.gpu_peak`, an estimate) fits every GPU the run is sized for
+    (``algorithm.hardware.gpu_memory_gib``), and vLLM's share holds at least one full sequence: refused before Ray
+    otherwise, naming the pass, its terms and the card."""
+    from gtpo.launch.gpu_peak import peak_problems
+
+    problems = peak_problems(config)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 @dataclass(frozen=True)
 class Checked:
     """What :func:`check_config` found: the resolved copy, the batch plan and what verl's ``validate_config`` said."""
@@ -300,6 +370,8 @@ def check_config(config: DictConfig, environ: Mapping[str, str] | None = None) -
     check_cpu_backend(config, environ)
     cfg = resolved_copy(config)
     plan = validate_recipe_config(cfg)
+    check_model_folder(cfg, environ)
+    check_gpu_memory(cfg)
     check_run_folder(cfg, environ)
     use_ref, use_critic, out = bool(need_reference_policy(cfg)), bool(need_critic(cfg)), io.StringIO()
     try:

@@ -5,7 +5,8 @@ recipe's entry point run every check before Ray (:func:`gtpo.launch.checks.check
 the recipe's rules, the batch arithmetic, verl's own ``validate_config``) and then :func:`run_dry`, which prints, in
 this order: the verdict with the run's shape and method, the plan (resources, batch, validation, run length, the
 checkpoint a resume would load, the vocabulary-sized memory terms of :mod:`gtpo.launch.memory_estimate` and
-:mod:`gtpo.launch.state_memory`, the checkpoint engine's transport, startup notes), then the resolved configuration
+:mod:`gtpo.launch.state_memory`, each pass's GPU peak on the GPUs the run is sized for (:mod:`gtpo.launch.gpu_peak`),
+the checkpoint engine's transport, startup notes), then the resolved configuration
 between :data:`BEGIN_MARK` and :data:`END_MARK`. Every failure is a ``ValueError`` naming the keys and values at fault.
 
     python -m gtpo.launch.dry_run method=gtpo model=qwen2.5_7b      # the same through Hydra's compose API
@@ -156,6 +157,7 @@ def run_dry(config: DictConfig, checked=None) -> None:
     """
     from gtpo.launch.batch_checks import startup_notes
     from gtpo.launch.checks import check_config
+    from gtpo.launch.gpu_peak import peak_lines
     from gtpo.launch.memory_estimate import memory_lines
     from gtpo.launch.runs import facts, run_identity
     from gtpo.launch.state_memory import state_lines
@@ -168,7 +170,7 @@ def run_dry(config: DictConfig, checked=None) -> None:
 
     lines = _plan_lines(cfg, checked.plan, checked.use_reference_policy, checked.use_critic)
     lines += [resume] if resume else []
-    lines += memory_lines(cfg) + state_lines(cfg) + [_checkpoint_engine_line(cfg)]
+    lines += memory_lines(cfg) + state_lines(cfg) + peak_lines(cfg) + [_checkpoint_engine_line(cfg)]
     lines += [f"note: {note}" for note in startup_notes(cfg)]
     buffer = OmegaConf.select(cfg, "reward.reward_kwargs.overlong_buffer_cfg", default=None)
     if buffer is not None and buffer.get("enable", False):

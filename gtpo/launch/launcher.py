@@ -9,7 +9,8 @@ so an ablation never continues another run's checkpoints; the entry point refuse
 their two names. ``--smoke`` is the smoke run: two phases (steps 1-2 from scratch, a resume to step 4) and a check.
 
 A launcher mistake (an unknown method or model, one another launcher has, a missing per-model piece, an environment
-variable given as an argument, a Slurm allocation of another size than the run's, a path other nodes cannot read)
+variable given as an argument, a Slurm allocation of another size than the run's, a model folder of another model
+than the preset's, a path other nodes cannot read)
 is one line naming it and what fits, exit 2, before Python imports verl. Then, by ``DRY_RUN`` / ``PREFLIGHT`` /
 ``SUBMIT_MODE``: the dry run, the preflight, the training run here, or a Ray job (:mod:`gtpo.launch.submit`).
 """
@@ -215,6 +216,20 @@ class Plan:
                     f"submit it with sbatch {flag}={count}{pool}, or set {env}={given} to train on {given}"
                 )
 
+    def check_model_folder(self) -> None:
+        """The model folder holds the model the preset is sized for, by its ``config.json`` (when readable here): a
+        preset's budgets, offload and vLLM share are another model's otherwise."""
+        from gtpo.launch.state_memory import model_mismatch
+
+        expected = Path(str(_hub_id(self.run.model))).name
+        problem = model_mismatch(expected, self.paths["MODEL_PATH"])
+        if problem:
+            raise LaunchError(
+                f"MODEL_PATH={self.paths['MODEL_PATH']}: {problem}, but model={self.run.model} is sized for "
+                f"{expected}; set MODEL_PATH to a {expected} folder, or run the preset of that model (bash "
+                "scripts/run.sh --help lists them)"
+            )
+
     def pieces(self) -> list[str]:
         """The cross-product presets Hydra composes for this run (``optional`` in the recipe's defaults list)."""
         scale = next((o.partition("=")[2] for o in reversed(self.overrides) if o.startswith("scale=")), None)
@@ -281,6 +296,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     try:
         p = plan(argv, environ)
         p.check_allocation(environ)
+        p.check_model_folder()
         mode = submit_mode(environ)
         dry = environ.get("DRY_RUN", "0").lower() in TRUE
         print(p.describe(), file=sys.stderr)

@@ -15,7 +15,8 @@ run will meet, one line per check, stopping at the first failure (exit status 1)
 4. ``run length``: ``trainer.total_epochs`` epochs of the training rows hold ``trainer.total_training_steps`` steps
    (verl stops at whichever comes first);
 5. ``model``: ``actor_rollout_ref.model.path`` is a local folder (not a hub id) with ``config.json``
-   (``max_position_embeddings >= max_prompt_length + max_response_length``), tokenizer files and weights;
+   (``max_position_embeddings >= max_prompt_length + max_response_length``), tokenizer files and complete weights
+   (every shard the index names, each file as long as its header says);
 6. ``trackers``: ``wandb`` in ``trainer.logger`` needs ``WANDB_API_KEY`` or ``WANDB_MODE=offline|disabled``; a
    ``warn`` line (not a failure) for ``file`` / ``tensorboard`` writing to a relative folder
    (``VERL_FILE_LOGGER_ROOT`` / ``VERL_FILE_LOGGER_PATH``, ``TENSORBOARD_DIR``, from the Ray runtime env or this

@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from gtpo.private_files import check_private_dir
 
 __all__ = ["PreflightError", "as_list", "check_checkpoint_dir", "check_config", "check_model", "check_overlong",
-           "check_parquet", "check_run_length", "check_trackers", "log_dir_warnings", "parquet_rows"]  # fmt: skip
+           "check_parquet", "check_run_length", "check_trackers", "log_dir_warnings", "parquet_rows",
+           "weights_problem"]  # fmt: skip
 
 
 class PreflightError(Exception):
@@ -123,6 +124,9 @@ def check_parquet(item: str, key: str, files: list[str], prompt_key: str) -> str
 
 
 def check_model(cfg: DictConfig) -> str:
+    """A local model folder: config.json long enough for prompt + response, tokenizer files, complete weights
+    (:func:`weights_problem`). Whether it is the model the preset is sized for is the config check's
+    (:func:`gtpo.launch.checks.check_model_folder`)."""
     path = Path(str(cfg.actor_rollout_ref.model.path))
     key = f"actor_rollout_ref.model.path={path}"
     if not path.is_dir():
@@ -141,7 +145,41 @@ def check_model(cfg: DictConfig) -> str:
         raise PreflightError("model", f"{key}: no tokenizer files")
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise PreflightError("model", f"{key}: no weights (*.safetensors / *.bin)")
+    problem = weights_problem(path)
+    if problem:
+        raise PreflightError("model", f"{key}: {problem} (an interrupted download? download it again)")
     return f"{path} (max_position_embeddings={positions} >= {need})"
+
+
+def weights_problem(folder: Path) -> str | None:
+    """What is wrong with the safetensors weights of ``folder``: a shard its index names that is missing, or a file
+    shorter than its own header says (each file starts with an 8-byte header length, the JSON header, then the
+    tensors at the offsets it lists)."""
+    index = folder / "model.safetensors.index.json"
+    names = set()
+    if index.is_file():
+        try:
+            names = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            return f"{index.name} unreadable ({err})"
+        missing = sorted(n for n in names if not (folder / n).is_file())
+        if missing:
+            return f"{index.name} names {len(names)} shards, {len(missing)} missing ({', '.join(missing[:3])})"
+    for shard in sorted(names | {p.name for p in folder.glob("*.safetensors")}):
+        file = folder / shard
+        size = file.stat().st_size
+        try:
+            with open(file, "rb") as f:
+                length = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+                header = json.loads(f.read(length)) if 0 < length <= size - 8 else None
+        except (OSError, ValueError) as err:
+            return f"{shard}: header unreadable ({err})"
+        if not isinstance(header, dict):
+            return f"{shard}: {size} bytes, not a safetensors file"
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        if 8 + length + end > size:
+            return f"{shard}: {size:,} bytes, its header lists {8 + length + end:,}"
+    return None
 
 
 def check_trackers(cfg: DictConfig, env: dict[str, str]) -> str:

@@ -50,6 +50,7 @@ RUN_ONLY_PREFIXES = (
     "algorithm.watchdog.",
     "algorithm.preemption.",
     "algorithm.resume.",
+    "algorithm.hardware.",
     "ray_kwargs.",
     "transfer_queue.",
     "hydra.",

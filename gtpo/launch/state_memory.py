@@ -6,7 +6,8 @@ vocabulary-sized terms of :mod:`gtpo.launch.memory_estimate`).
   base's parameters only (4 B each in fp32, 2 B in bf16/fp16), sharded likewise, plus the adapters' 16 B per adapter
   parameter; ``fsdp_config.param_offload`` keeps the parameters in host memory between passes.
 * **vLLM.** Each replica holds the bf16 weights over its ``tensor_model_parallel_size`` GPUs; its KV cache is what
-  ``gpu_memory_utilization`` of the GPU leaves, ``2 x layers x KV heads x head size x 2 B`` per token.
+  ``gpu_memory_utilization`` of the GPU leaves, ``2 x layers x KV heads x head size x 2 B`` per token, on each GPU
+  the run is sized for (:mod:`gtpo.launch.gpu_peak`).
 
 The architecture comes from the model folder's ``config.json`` when it is readable here, else from
 :data:`KNOWN_MODELS` by the folder's name (the presets' models). Estimates from the code, not GPU measurements.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-__all__ = ["KNOWN_MODELS", "Architecture", "architecture", "lora_parameters", "state_lines"]
+__all__ = ["KNOWN_MODELS", "Architecture", "architecture", "lora_parameters", "model_mismatch", "state_lines"]
 
 GB = 1e9
 
@@ -89,6 +90,23 @@ def architecture(model_path: str) -> tuple[Architecture | None, str]:
     return None, f"no readable {path} and {name!r} is not one of {sorted(KNOWN_MODELS)}"
 
 
+def model_mismatch(expected: str, model_path: str) -> str | None:
+    """How the model folder ``model_path`` differs from the model ``expected`` (a :data:`KNOWN_MODELS` name, the one a
+    preset is sized for), by its ``config.json``; None when they match or either is unknown here."""
+    known = KNOWN_MODELS.get(expected)
+    path = Path(os.path.expanduser(model_path)) / "config.json"
+    if known is None or not path.is_file():
+        return None
+    found, _ = architecture(model_path)
+    if found is None or found == known:
+        return None
+    fields = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")
+    differ = [f"{f} {getattr(found, f)} (not {getattr(known, f)})" for f in fields
+              if getattr(found, f) != getattr(known, f)]  # fmt: skip
+    named = next((name for name, arch in KNOWN_MODELS.items() if arch == found), None)
+    return f"{path} describes {named or 'another model'}: " + ", ".join(differ or ["other sizes"])
+
+
 def lora_parameters(arch: Architecture, rank: int, target_modules: object) -> int:
     """Adapter parameters: ``rank x (in + out)`` per adapted linear layer (``all-linear``: q, k, v, o, gate, up,
     down of every layer; a list: those of its names among them)."""
@@ -133,16 +151,10 @@ def state_lines(cfg: DictConfig) -> list[str]:
     rollout = cfg.actor_rollout_ref.rollout
     tp = int(rollout.get("tensor_model_parallel_size", 1) or 1)
     weights = n * 2 / tp / GB
-    seq = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
     util = float(rollout.get("gpu_memory_utilization", 0.5))
-    kv = [
-        f"{gpu} GB GPU: {max(util * gpu - weights, 0):.1f} GB of KV cache, "
-        f"{int(max(util * gpu - weights, 0) * GB * tp // (arch.kv_bytes_per_token * seq))} sequences of {seq:,} tokens"
-        for gpu in (80, 24)
-    ]
     return [
         f"memory estimate per GPU, model-sized terms ({source}); not measured:",
         f"  {actor}",
-        f"  vLLM (tp={tp}): bf16 weights {weights:.1f} GB; at gpu_memory_utilization={util} on an "
-        + "; on a ".join(kv),
+        f"  vLLM (tp={tp}): bf16 weights {weights:.1f} GB in its share gpu_memory_utilization={util} of the GPU (its "
+        "KV cache on the GPUs the run is sized for: below)",
     ]

@@ -69,6 +69,7 @@ METHODS = {
     "forking_micro_batch": [
         "method=dapo_forking",
         "algorithm.forking.scope=micro_batch",
+        "actor_rollout_ref.actor.calculate_entropy=true",  # the training policy's entropy selects the tokens
         f"algorithm.forking.rho={RHO}",
     ],
 }

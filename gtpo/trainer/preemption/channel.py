@@ -4,7 +4,9 @@ wherever Ray placed it (seam ``stop-channel-kv``, docs/architecture.md).
 Written by the driver's signal relay (:class:`gtpo.trainer.preemption.driver.DriverRelay`), by ``python -m
 gtpo.trainer.preemption request`` on any node and by the stage watchdog (:func:`record_stall`); read by the trainer
 after every step (:class:`gtpo.trainer.preemption.stop.TrainerStop`), by the request command waiting for the save and
-by the driver explaining a trainer that died (:func:`recorded_stall`).
+by the driver explaining a trainer that died (:func:`recorded_stall`). Each running trainer also keeps a record of
+itself here (:mod:`gtpo.trainer.preemption.presence`), which the request command reads to know whether anything
+would save.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ __all__ = [
     "KV_NAMESPACE",
     "SAVED_KEY",
     "current_job_id",
+    "delete_key",
     "get_request",
+    "get_value",
     "job_key",
+    "keys_with_prefix",
     "put_request",
+    "put_value",
     "record_stall",
     "recorded_stall",
 ]
@@ -36,25 +42,49 @@ def job_key(job_id: str) -> str:
     return f"preempt/job/{job_id}"
 
 
-def put_request(key: str, reason: str) -> None:
-    """Store a stop request in Ray's internal key-value store (this process must be connected to the cluster)."""
+def put_value(key: str, value: dict) -> None:
+    """Store ``value`` as JSON under ``key`` in Ray's internal key-value store (this process must be connected)."""
     from ray.experimental import internal_kv
 
-    value = json.dumps({"reason": reason, "time": time.time()}).encode()
     # Ray's internal store: Ray has no public cluster-wide one (docs/architecture.md, Seams: stop-channel-kv)
-    internal_kv._internal_kv_put(key, value, overwrite=True, namespace=KV_NAMESPACE)
+    internal_kv._internal_kv_put(key, json.dumps(value).encode(), overwrite=True, namespace=KV_NAMESPACE)
+
+
+def get_value(key: str) -> dict | None:
+    """The JSON object stored under ``key``, or None (absent or not an object)."""
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
+    try:
+        value = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def keys_with_prefix(prefix: str) -> list[str]:
+    """The keys stored under ``prefix``."""
+    from ray.experimental import internal_kv
+
+    return [k.decode() if isinstance(k, bytes) else str(k)
+            for k in internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)]  # fmt: skip
+
+
+def delete_key(key: str) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(key, namespace=KV_NAMESPACE)
+
+
+def put_request(key: str, reason: str) -> None:
+    """Store a stop request in Ray's internal key-value store (this process must be connected to the cluster)."""
+    put_value(key, {"reason": reason, "time": time.time()})
 
 
 def get_request(key: str, since: float) -> str | None:
     """The reason of a stop request stored under ``key`` at or after ``since`` (Unix time), or None."""
-    from ray.experimental import internal_kv
-
-    raw = internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
-    if not raw:
-        return None
-    try:
-        request = json.loads(raw)
-    except ValueError:
+    request = get_value(key)
+    if request is None:
         return None
     return str(request.get("reason", "stop requested")) if float(request.get("time", 0)) >= since else None
 

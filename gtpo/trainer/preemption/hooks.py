@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from gtpo.methods import knob
+from gtpo.trainer.preemption.presence import TrainerPresence
 from gtpo.trainer.preemption.stop import TrainerStop
 
 __all__ = ["StopHooks"]
@@ -16,7 +17,8 @@ class StopHooks:
     verl 0.9.1's ``fit`` runs, per step: ``on_step_begin``, the step, the periodic save, ``on_step_end`` (the weight
     sync to the rollout), validation, metrics, ``logger.log``. Overrides:
 
-    * ``fit``: the trainer's :class:`.stop.TrainerStop`, from ``algorithm.preemption``;
+    * ``fit``: the trainer's :class:`.stop.TrainerStop`, from ``algorithm.preemption``, and its record on the cluster
+      (:class:`.presence.TrainerPresence`) while it runs, which the preStop hooks' request waits on;
     * ``on_step_end``: a request or a deadline that leaves no room for another step saves the finished step and skips
       the rest of the hook (the weight sync: nothing generates for this run again), without calling verl's;
     * ``on_step_begin``: ends the run (``PreemptedError``) once the finished step's metrics are logged; a request
@@ -31,7 +33,11 @@ class StopHooks:
 
     def fit(self, agent_loop_manager):
         self._trainer_stop = TrainerStop(knob(self.config.algorithm, "preemption"))
-        return super().fit(agent_loop_manager)
+        presence = TrainerPresence().start()
+        try:
+            return super().fit(agent_loop_manager)
+        finally:
+            presence.stop()
 
     def on_step_begin(self):
         self._trainer_stop.before_step(self)

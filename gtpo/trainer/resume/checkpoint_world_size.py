@@ -8,8 +8,10 @@ trainer before its workers load) leaves a checkpoint of the run's size alone and
 
 * ``reshard`` (the default): first refuses what cannot be resharded, naming why (:func:`reshard_problems`: a critic
   the run has and the checkpoint lacks, a LoRA checkpoint for a full run or the reverse, another model than the
-  run's ``model.path`` by its ``config.json``, an HSDP run); then rewrites each role's shards for the run's ranks in
-  place (:func:`gtpo.trainer.resume.reshard.reshard_checkpoint`, which also refuses a format it does not know);
+  run's ``model.path`` by its ``config.json``, an HSDP run) and a checkpoint too large to reshard inside the job
+  (:func:`check_in_job_reshard_size`: above ``algorithm.resume.reshard_in_job_max_gb`` the offline command is the
+  way); then rewrites each role's shards for the run's ranks in place
+  (:func:`gtpo.trainer.resume.reshard.reshard_checkpoint`, which also refuses a format it does not know);
 * ``refuse``: :func:`check_resume_world_size` raises, naming both sizes, the folder and the ways out (resume with
   ``W`` GPUs, reshard offline, or merge the weights with verl's model merger and start a new run from them).
 
@@ -27,7 +29,9 @@ from gtpo.methods import knob
 from gtpo.trainer.resume.checkpoints import ROLE_DIRS, CheckpointLayout, role_world_size, shard_files, shard_name
 
 __all__ = [
+    "check_in_job_reshard_size",
     "check_resume_world_size",
+    "checkpoint_bytes",
     "checkpoint_world_size",
     "discard_other_world_sizes",
     "match_resume_world_size",
@@ -184,6 +188,36 @@ def reshard_problems(folder: str, config: Any, layout: CheckpointLayout) -> list
     return problems
 
 
+def checkpoint_bytes(folder: str) -> int:
+    """Bytes of the model and optimizer shard files of the checkpoint ``folder`` (what a reshard reads and writes)."""
+    total = 0
+    for role in ROLE_DIRS:
+        directory = os.path.join(folder, role)
+        for size, files in shard_files(directory).items():
+            for kind, rank in files:
+                if kind in ("model", "optim"):
+                    total += os.path.getsize(os.path.join(directory, shard_name(kind, size, rank)))
+    return total
+
+
+def check_in_job_reshard_size(folder: str, config: Any) -> None:
+    """Refuse to reshard inside the job a checkpoint larger than ``algorithm.resume.reshard_in_job_max_gb``: every GPU
+    of the allocation would wait for it (32B: 394 GB, read and written once), in a step whose memory limit is charged
+    for the page cache it fills. The offline command on a login node does the same work, recoverably."""
+    limit = knob(config.get("algorithm", None), "resume").reshard_in_job_max_gb
+    size = checkpoint_bytes(folder) / 1e9
+    if limit is None or size <= limit:
+        return
+    run = run_world_size(config.trainer)
+    raise RuntimeError(
+        f"{folder} holds {size:.0f} GB of model and optimizer shards, more than algorithm.resume."
+        f"reshard_in_job_max_gb={limit:g}: resharding it to world size {run} inside the job would keep every GPU of "
+        f"the job waiting. Reshard it offline first (a login node, no GPU): `python -m gtpo.trainer.resume.reshard "
+        f"--from {folder} --world-size {run}` (in place and recoverable; --out <folder> writes a copy), then submit "
+        "again; or set algorithm.resume.reshard_in_job_max_gb=null to reshard inside the job"
+    )
+
+
 def match_resume_world_size(folder: str, config: Any, layout: CheckpointLayout) -> dict[str, int]:
     """Make the checkpoint ``folder`` loadable at the run's world size, before any worker loads: nothing when it
     already is; otherwise refuse (``algorithm.resume.other_world_size=refuse``, or what :func:`reshard_problems`
@@ -210,6 +244,7 @@ def match_resume_world_size(folder: str, config: Any, layout: CheckpointLayout) 
     problems = reshard_problems(folder, config, layout)
     if problems:
         raise RuntimeError(f"cannot reshard {folder} to world size {run}: {'; '.join(problems)}")
+    check_in_job_reshard_size(folder, config)
     try:
         done = reshard_checkpoint(folder, run)
     except ReshardRefused as err:

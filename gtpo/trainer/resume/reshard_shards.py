@@ -27,8 +27,13 @@ written as a skeleton (``torch.serialization.skip_data``: its layout with the te
 ``torch.empty`` locals that are never touched), then opened with ``mmap=True`` and ``MAP_SHARED``, and each tensor's
 rows are copied from the old mapped rows into the new mapped rows, one tensor at a time. The process allocates no
 tensor memory of its own: its anonymous memory stays at the interpreter and the files' small pickled parts whatever
-the model's size; the page cache holds what the kernel keeps of the files being read and written. ``time`` is one
-read and one write of the checkpoint (``benchmarks/bench_reshard.py``).
+the model's size; the page cache holds what the kernel keeps of the files being read and written. Rows are copied
+in slices of at most :data:`WRITEBACK_BYTES`, each written back to the file (``sync_file_range``) and dropped from
+the page cache (``posix_fadvise(DONTNEED)``) on a thread of its own while the next slice is copied: the dirty pages,
+which a memory-capped Slurm step or pod is charged for and cannot reclaim without writing them, stay below three
+slices whatever the size of a file (a 16 GB optimizer shard of 32B at 16 ranks was one file of dirty pages until its
+``fsync``). ``time`` is one read and one
+write of the checkpoint (``benchmarks/bench_reshard.py``, which also measures the peak under a memory cgroup).
 
 **Format.** Only what the module understands is resharded: FSDP2 DTensors on a one-dimensional mesh with
 ``Shard(0)``. Anything else (FSDP1's ``ShardedTensor``, an HSDP two-dimensional mesh, a tensor whose local rows do
@@ -43,16 +48,21 @@ import hashlib
 import json
 import math
 import os
+import queue
 import random
 import shutil
 import sys
+import threading
 from typing import Any
 
 from gtpo.trainer.resume.checkpoints import SHARD_KINDS, role_world_size, shard_files, shard_name
 
-__all__ = ["FSDP_CONFIG", "ReshardRefused", "fsync", "reshard_role", "shard_names_of", "world_size_of"]
+__all__ = ["FSDP_CONFIG", "WRITEBACK_BYTES", "ReshardRefused", "fsync", "reshard_role", "shard_names_of",
+           "world_size_of"]  # fmt: skip
 
 FSDP_CONFIG = "fsdp_config.json"  # verl's record of the FSDP version and world size
+# Bytes of a new file copied between two write-backs: the dirty pages of a reshard stay below this.
+WRITEBACK_BYTES = 64 * 2**20
 
 
 class ReshardRefused(RuntimeError):
@@ -190,30 +200,119 @@ def _check_structure(olds: list[Any], where: str, world_size: int) -> None:
             raise ReshardRefused(f"{where}: rank {rank}'s value differs from rank 0's; only sharded entries may")
 
 
-def _fill(new: Any, olds: list[Any], world_size_from: int, world_size_to: int, rank: int) -> None:
-    """Copy into ``new`` (the mapped skeleton of new rank ``rank``) its rows from the old ranks' mapped entries."""
+def _fill(new: Any, olds: list[Any], world_size_from: int, world_size_to: int, rank: int, written=None) -> None:
+    """Copy into ``new`` (the mapped skeleton of new rank ``rank``) its rows from the old ranks' mapped entries, in
+    slices of at most :data:`WRITEBACK_BYTES`, each handed to ``written`` (:class:`_WriteBack`) once copied."""
     import torch
 
+    written = written or (lambda mapped: None)
     if _is_dtensor(new):
         rows = new.shape[0]
         start, end = _chunk_rows(rows, world_size_to, rank)
         target = new._local_tensor
+        row_bytes = max(target[:1].numel() * target.element_size(), 1)
+        step = max(WRITEBACK_BYTES // row_bytes, 1)
         for old_rank, old in enumerate(olds):
             old_start, old_end = _chunk_rows(rows, world_size_from, old_rank)
-            lo, hi = max(start, old_start), min(end, old_end)
-            if lo < hi:
+            for lo in range(max(start, old_start), min(end, old_end), step):
+                hi = min(lo + step, end, old_end)
                 rows_read = old._local_tensor[lo - old_start : hi - old_start]
                 target[lo - start : hi - start].copy_(rows_read)
                 _release(rows_read)
+                written(target[lo - start : hi - start])
         _release(target)
     elif isinstance(new, torch.Tensor):
         new.copy_(olds[0])
+        written(new)
     elif isinstance(new, dict):
         for key in new:
-            _fill(new[key], [old[key] for old in olds], world_size_from, world_size_to, rank)
+            _fill(new[key], [old[key] for old in olds], world_size_from, world_size_to, rank, written)
     elif isinstance(new, (list, tuple)):
         for i, item in enumerate(new):
-            _fill(item, [old[i] for old in olds], world_size_from, world_size_to, rank)
+            _fill(item, [old[i] for old in olds], world_size_from, world_size_to, rank, written)
+
+
+# sync_file_range's SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER (Linux <fcntl.h>)
+_SYNC_FILE_RANGE = 1 | 2 | 4
+
+
+class _WriteBack:
+    """Writes the rows just copied into a new file's ``MAP_SHARED`` mapping back to the file (``sync_file_range``)
+    and drops them from the page cache, on a thread of its own while the next slice is copied (the call and torch's
+    copy both release the GIL): a new file's dirty pages never exceed three slices of :func:`_fill` (one being
+    written, one queued, one being copied)."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_RDONLY)
+        self._base = _mapped_at(path)  # where torch mapped the file: a slice's address gives its file offset
+        self._slices: queue.Queue = queue.Queue(maxsize=1)
+        self._error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="gtpo-reshard-writeback", daemon=True)
+        self._thread.start()
+
+    def __call__(self, mapped: Any) -> None:
+        if self._error is not None:
+            raise self._error
+        self._slices.put(mapped)
+
+    def _run(self) -> None:
+        while (mapped := self._slices.get()) is not None:
+            if self._error is None:
+                try:
+                    self._flush(mapped)
+                except OSError as err:
+                    self._error = err
+
+    def _flush(self, mapped: Any) -> None:
+        import ctypes
+        import mmap
+
+        nbytes = mapped.numel() * mapped.element_size()
+        if not nbytes or not sys.platform.startswith("linux"):
+            return
+        _release(mapped)  # unmapped pages keep their data in the page cache, dirty until written
+        page = mmap.PAGESIZE
+        start = mapped.data_ptr() // page * page
+        end = -(-(mapped.data_ptr() + nbytes) // page) * page
+        offset, length = (start - self._base, end - start) if self._base is not None else (0, 0)
+        # written and waited for, without the journal commit an msync or fsync would force; then only these pages
+        # leave the page cache (the skeleton's pages still to be filled stay, or each would be read back from disk)
+        args = (self.fd, ctypes.c_longlong(offset), ctypes.c_longlong(length), _SYNC_FILE_RANGE)
+        if _libc().sync_file_range(*args) != 0:
+            raise OSError(ctypes.get_errno(), "writing back a resharded file's rows failed")
+        if self._base is not None:
+            os.posix_fadvise(self.fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        self._slices.put(None)
+        self._thread.join()
+        os.close(self.fd)
+        if self._error is not None:
+            raise self._error
+
+
+def _mapped_at(path: str) -> int | None:
+    """The address at which this process maps ``path`` from its first byte (``/proc/self/maps``), or None."""
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].strip() == real and int(fields[2], 16) == 0:
+                    return int(fields[0].split("-")[0], 16)
+    except OSError:
+        pass
+    return None
+
+
+def _drop_cached(paths: list[str]) -> None:
+    """Drop the old files' clean pages from the page cache (read once; charged to the job's memory otherwise)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 _MADV_DONTNEED = 4  # Linux <sys/mman.h>
@@ -270,7 +369,8 @@ def _reshard_sharded_kind(src: str, dst: str, kind: str, world_size_from: int, w
 
     import torch
 
-    olds = [_load_mapped(os.path.join(src, shard_name(kind, world_size_from, r))) for r in range(world_size_from)]
+    old_paths = [os.path.join(src, shard_name(kind, world_size_from, r)) for r in range(world_size_from)]
+    olds = [_load_mapped(path) for path in old_paths]
     _check_structure(olds, f"{src}/{shard_name(kind, world_size_from, 0)}", world_size_from)
     for rank in range(world_size_to):
         path = os.path.join(dst, shard_name(kind, world_size_to, rank))
@@ -278,9 +378,14 @@ def _reshard_sharded_kind(src: str, dst: str, kind: str, world_size_from: int, w
             torch.save(_skeleton(olds[0], {}, world_size_to, rank), path)
         with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
             new = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-        _fill(new, olds, world_size_from, world_size_to, rank)
+        written = _WriteBack(path)
+        try:
+            _fill(new, olds, world_size_from, world_size_to, rank, written)
+        finally:
+            written.close()
         del new  # unmaps; the written pages are the file's
         fsync(path)
+        _drop_cached(old_paths)
 
 
 def _fresh_rng(rng: dict, step: int, rank: int) -> dict:
