@@ -12,7 +12,8 @@ What gets registered: each row of :data:`gtpo.methods.METHODS` with a recipe est
 (``gtpo``, ``grpo_s``, ``gtpo_traj``) and each row's policy loss under its name (``grpo_s``), through the one adapter
 of :mod:`gtpo.verl_plugin.estimators`; the trainer modes ``gtpo_sync``, ``gtpo_colocate_async`` and
 ``gtpo_separate_async`` (``trainer.v1.trainer_mode``) are registered by :mod:`gtpo.trainer.modes` on import. A row
-added later (:func:`register_method`: a test's toy method) is registered the same way.
+added later (:func:`register_method`: a test's toy method) is registered the same way. verl's checkpoint loads are
+wrapped to check the files first (:mod:`gtpo.verl_plugin.checkpoint_loads`).
 
 Importing twice is harmless: verl's ``register_adv_est`` and ``register_policy_loss`` reject only a *different*
 function under a taken name, and each row's function is built once.
@@ -29,6 +30,7 @@ from verl.trainer.ppo.core_algos import (
 
 from gtpo import methods
 from gtpo.trainer import mode_names, modes  # noqa: F401 - importing modes registers the trainer modes into verl
+from gtpo.verl_plugin import checkpoint_loads
 from gtpo.verl_plugin.estimators import VerlEstimator, verl_policy_loss
 
 __all__ = ["ESTIMATORS", "TRAINER_MODES", "register_method"]
@@ -48,5 +50,8 @@ def register_method(method: methods.Method) -> methods.Method:
 
 for _row in tuple(methods.METHODS.values()):
     register_method(_row)
+
+# verl's workers check the checkpoint files they load, in their own process
+checkpoint_loads.install()
 
 ESTIMATORS = tuple(sorted(row.adv_estimator for row in methods.METHODS.values() if row.advantages is not None))
