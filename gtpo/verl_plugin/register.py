@@ -13,7 +13,8 @@ What gets registered: each row of :data:`gtpo.methods.METHODS` with a recipe est
 of :mod:`gtpo.verl_plugin.estimators`; the trainer modes ``gtpo_sync``, ``gtpo_colocate_async`` and
 ``gtpo_separate_async`` (``trainer.v1.trainer_mode``) are registered by :mod:`gtpo.trainer.modes` on import. A row
 added later (:func:`register_method`: a test's toy method) is registered the same way. verl's checkpoint loads are
-wrapped to check the files first (:mod:`gtpo.verl_plugin.checkpoint_loads`).
+wrapped to check the files first (:mod:`gtpo.verl_plugin.checkpoint_loads`); a vLLM server started in the
+process gets a key nobody knows when the run asks for it (:mod:`gtpo.verl_plugin.vllm_http`).
 
 Importing twice is harmless: verl's ``register_adv_est`` and ``register_policy_loss`` reject only a *different*
 function under a taken name, and each row's function is built once.
@@ -30,7 +31,7 @@ from verl.trainer.ppo.core_algos import (
 
 from gtpo import methods
 from gtpo.trainer import mode_names, modes  # noqa: F401 - importing modes registers the trainer modes into verl
-from gtpo.verl_plugin import checkpoint_loads
+from gtpo.verl_plugin import checkpoint_loads, vllm_http
 from gtpo.verl_plugin.estimators import VerlEstimator, verl_policy_loss
 
 __all__ = ["ESTIMATORS", "TRAINER_MODES", "register_method"]
@@ -53,5 +54,7 @@ for _row in tuple(methods.METHODS.values()):
 
 # verl's workers check the checkpoint files they load, in their own process
 checkpoint_loads.install()
+# a vLLM server started in this process answers its OpenAI API to nobody (the run asked for it)
+vllm_http.lock_api()
 
 ESTIMATORS = tuple(sorted(row.adv_estimator for row in methods.METHODS.values() if row.advantages is not None))

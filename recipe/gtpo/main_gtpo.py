@@ -8,7 +8,8 @@ Compared with ``verl.trainer.main_ppo`` this entry point (1) runs every check be
 (2) puts ``gtpo.verl_plugin.register`` into ``VERL_USE_EXTERNAL_MODULES`` of the Ray
 runtime env, so multi-node workers that do not inherit the driver's shell still register the estimators, losses and
 trainer mode, and copies the driver's log folders (:data:`LOG_DIR_VARS`) there too, so the TaskRunner writes its
-logs where the launcher put them, and (3) runs a TaskRunner that imports the plugin itself before building the
+logs where the launcher put them, and closes vLLM's HTTP API to what verl does not use
+(:mod:`gtpo.verl_plugin.vllm_http`), and (3) runs a TaskRunner that imports the plugin itself before building the
 trainer.
 """
 
@@ -81,6 +82,16 @@ def forward_log_dirs(config: DictConfig) -> None:
                 env_vars[name] = os.environ[name]
 
 
+def narrow_vllm_http(config: DictConfig) -> None:
+    """Put :func:`gtpo.verl_plugin.vllm_http.runtime_env_vars` into the Ray runtime env: no LoRA adapter loaded over
+    vLLM's HTTP API, and that API closed to everyone unless a reward model served by vLLM needs it."""
+    from gtpo.verl_plugin.vllm_http import runtime_env_vars
+
+    env_vars = _runtime_env_vars(config)
+    with open_dict(config):
+        env_vars.update(runtime_env_vars(config, env_vars))
+
+
 class GTPOTaskRunner(TaskRunnerV1.__ray_actor_class__):
     """verl's v1 TaskRunner, importing the plugin first so ``gtpo_sync`` and the estimators exist in this actor."""
 
@@ -111,6 +122,7 @@ def prepare_config(config: DictConfig, dry_run: bool = False):
         for note in startup_notes(checked.config):
             logger.warning("gtpo: %s", note)
     add_plugin_to_runtime_env(config)
+    narrow_vllm_http(config)
     return checked
 
 
