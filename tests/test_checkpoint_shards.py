@@ -420,13 +420,13 @@ def test_nothing_to_check_when_there_is_no_resume_or_no_folder(root, mode):
 def test_prepare_config_refuses_the_resume_before_ray_starts(root, monkeypatch):
     import gtpo.verl_plugin.register  # noqa: F401  (the estimators, as main() registers them before prepare_config)
     from recipe.gtpo.main_gtpo import prepare_config
-    from tests.support.configs import compose
+    from tests.support.configs import compose, data_overrides
 
     monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)  # prepare_config sets it; restored afterwards
 
     save(root, 2, world_size=2)
     cfg = compose(["backend=cpu_tiny", "trainer.resume_mode=auto", f"trainer.default_local_dir={root}",
-                   "algorithm.resume.other_world_size=refuse"])  # fmt: skip
+                   "algorithm.resume.other_world_size=refuse", *data_overrides(root.parent / "data")])  # fmt: skip
     with pytest.raises(ResumeRefused, match="saved at world size 2"):
         prepare_config(cfg)
     prepare_config(cfg, dry_run=True)  # a dry run may run where the cluster's storage is not mounted: no check
@@ -437,17 +437,18 @@ def test_prepare_config_reads_an_async_run_checkpoints_as_its_trainer_does(root,
     resume would, and checks the complete one it would load instead (saved at this world size)."""
     import gtpo.verl_plugin.register  # noqa: F401  (the estimators, as main() registers them before prepare_config)
     from recipe.gtpo.main_gtpo import prepare_config
-    from tests.support.configs import compose
+    from tests.support.configs import compose, data_overrides
 
     monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
     save(root, 2, world_size=1, async_mode=True)
     save(root, 4, world_size=2)  # no transfer_queue/: not resumable by an asynchronous trainer
+    data = data_overrides(root.parent / "data")
     cfg = compose(["backend=cpu_tiny", "trainer=colocate_async", "trainer.resume_mode=auto",
-                   f"trainer.default_local_dir={root}"])  # fmt: skip
+                   f"trainer.default_local_dir={root}", *data])  # fmt: skip
     prepare_config(cfg)
     with pytest.raises(ResumeRefused, match="global_step_4 at world size 1"):
         prepare_config(compose(["backend=cpu_tiny", "trainer.resume_mode=auto", f"trainer.default_local_dir={root}",
-                                "algorithm.resume.other_world_size=refuse"]))  # fmt: skip
+                                "algorithm.resume.other_world_size=refuse", *data]))  # fmt: skip
 
 
 def test_a_role_folder_mixing_two_sizes_is_refused_for_the_critic_as_for_the_actor(root):

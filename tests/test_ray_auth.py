@@ -145,13 +145,13 @@ def test_what_the_driver_check_lets_through(tmp_path):
     assert ray_auth_problem({"RAY_ADDRESS": "h:1", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "v"}) is None
 
 
-def test_the_entry_point_refuses_before_ray_starts(monkeypatch):
+def test_the_entry_point_refuses_before_ray_starts(monkeypatch, tmp_path):
     """``prepare_config`` (the driver, before ``ray.init``) attached to a cluster without its token: a ValueError
     naming the variable, which the entry point prints as one line with the configuration-error exit; a dry run, which
     joins nothing, is not stopped."""
     import gtpo.verl_plugin.register  # noqa: F401
     from recipe.gtpo.main_gtpo import prepare_config
-    from tests.support.configs import compose
+    from tests.support.configs import compose, data_overrides
 
     for key in [k for k in os.environ if k.startswith("RAY_AUTH")]:
         monkeypatch.delenv(key)
@@ -160,4 +160,4 @@ def test_the_entry_point_refuses_before_ray_starts(monkeypatch):
         prepare_config(compose(["method=gtpo", "model=qwen2.5_7b"]))
     prepare_config(compose(["method=gtpo", "model=qwen2.5_7b"]), dry_run=True)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    prepare_config(compose(["method=gtpo", "model=qwen2.5_7b"]))
+    prepare_config(compose(["method=gtpo", "model=qwen2.5_7b", *data_overrides(tmp_path)]))

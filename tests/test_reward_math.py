@@ -675,7 +675,7 @@ def test_a_transient_failure_is_never_cached_as_a_verdict(transient, lenient, mo
     answers = iter([(False, transient), (True, "ok")])
     calls = []
 
-    def grade(gold, text):
+    def grade(gold, text, seconds):
         calls.append((gold, text))
         verdict = next(answers)
         return (*verdict, text) if lenient else verdict

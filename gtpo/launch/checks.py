@@ -219,6 +219,9 @@ def check_verl_mode_constraints(config: DictConfig) -> None:
 def validate_recipe_config(config: DictConfig) -> dict[str, Any]:
     """The recipe's rules; returns the batch plan. Every knob block of :data:`gtpo.methods.KNOBS` is parsed, also
     those of a method not selected: a typo in any knob fails here instead of being silently ignored."""
+    from gtpo.launch.value_checks import check_run_values
+
+    check_run_values(config)
     check_registries(config)
     knobs = {block: knob(config.algorithm, block) for block in KNOBS}
     if not config.trainer.get("use_v1", True):
@@ -393,13 +396,16 @@ def check_world_size_before_launch(config: Any, layout: Any) -> str | None:
 
 
 def prepare_launch(config: DictConfig, checked: Checked, environ: Mapping[str, str] | None = None) -> None:
-    """A real run's checks with side effects, after :func:`check_config`: the checkpoint engine, the checkpoint a
-    resume would load, then this run's record in the checkpoint folder when it will save there."""
+    """A real run's checks that read this machine, after :func:`check_config`: the checkpoint engine, the data
+    (:func:`gtpo.launch.data_checks.check_data`), the checkpoint a resume would load, then this run's record in the
+    checkpoint folder when it will save there."""
+    from gtpo.launch.data_checks import check_data
     from gtpo.launch.runs import run_identity, write_record
     from gtpo.trainer.resume.checkpoints import layout_of
 
     environ = os.environ if environ is None else environ
     check_checkpoint_engine(checked.config)
+    check_data(checked.config)
     async_mode = verl_mode(str(config.trainer.v1.trainer_mode)) != "sync"
     check_world_size_before_launch(config, layout_of(config, checked.use_critic, async_mode))
     run, trainer = run_identity(environ), checked.config.trainer
