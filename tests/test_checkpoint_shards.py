@@ -339,6 +339,16 @@ def _trainer_cfg(root, **kw):
     return OmegaConf.create({"trainer": {**base, **kw}, "algorithm": {"resume": {"other_world_size": "refuse"}}})
 
 
+def test_the_refusal_suggests_the_runs_gpus_per_node_only_where_they_divide_the_saved_size(root):
+    """Saved at 6, resumed on 4 GPUs a node: the way out names 1 node x 6 GPUs, not 4 GPUs (which hold 4 ranks)."""
+    save(root, 2, world_size=6)
+    with pytest.raises(RuntimeError, match=r"e\.g\. trainer\.nnodes=1 trainer\.n_gpus_per_node=6\)"):
+        checkpoint_world_size.check_resume_world_size(str(root / "global_step_2"), 1, 4)
+    save(root, 4, world_size=8)
+    with pytest.raises(RuntimeError, match=r"e\.g\. trainer\.nnodes=2 trainer\.n_gpus_per_node=4\)"):
+        checkpoint_world_size.check_resume_world_size(str(root / "global_step_4"), 1, 4)
+
+
 def test_the_driver_refuses_before_ray_starts_where_it_sees_the_folder(root):
     save(root, 2, world_size=1)
     save(root, 4, world_size=2)
