@@ -4,6 +4,10 @@ Several things the recipe loads are code, whatever their names say: numba unpick
 freshness check, verl loads checkpoints with ``torch.load(weights_only=False)``, and a Ray node's session folder
 holds its sockets. A folder someone else owns, or one that group or others may write, lets them plant such a file.
 Every such folder goes through :func:`check_private_dir` (refuse) or :func:`private_dir` (create 0700, or refuse).
+A checkpoint goes through :func:`check_private_tree` right before it is loaded, in the process that loads it: every
+folder and file in it real (no symlink), this user's and writable by nobody else (a file ACL that lets another user
+write shows in the group bits), and no folder above it writable by everyone without the sticky bit (anyone could
+rename it and put another in its place between the check and the load).
 
 Ray's token authentication (``RAY_AUTH_MODE=token``) reads the token from ``RAY_AUTH_TOKEN``, then from the file
 ``RAY_AUTH_TOKEN_PATH`` names, then from ``~/.ray/auth_token``. The recipe always passes a *path* (a value in the
@@ -20,7 +24,10 @@ import secrets
 import stat
 from pathlib import Path
 
-__all__ = ["check_private_dir", "looks_secret", "private_dir", "ray_token_env", "write_ray_token", "TOKEN_BYTES"]
+__all__ = [
+    "check_private_dir", "check_private_file", "check_private_tree", "check_unswappable_parents", "looks_secret",
+    "private_dir", "ray_token_env", "token_file_problem", "write_ray_token", "TOKEN_BYTES",
+]  # fmt: skip
 
 # Ray's own generator makes 32 random bytes as hex too (ray/_private/authentication/authentication_token_generator.py).
 TOKEN_BYTES = 32
@@ -34,15 +41,16 @@ def looks_secret(name: str) -> bool:
     return _SECRET_NAME.search(name) is not None
 
 
-def _why_not_private(st: os.stat_result) -> tuple[str, str] | None:
-    """(what is wrong, the fix), or None for a private folder."""
+def _why_not_private(st: os.stat_result, kind: str = "folder") -> tuple[str, str] | None:
+    """(what is wrong, the fix), or None for a private folder (or file: ``kind``)."""
     if st.st_uid != os.getuid():
         return (
             f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()}; mode {stat.S_IMODE(st.st_mode):04o})",
-            "use a folder of your own",
+            f"use a {kind} of your own",
         )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"mode {stat.S_IMODE(st.st_mode):04o} lets group or others write into it (uid {st.st_uid})", "chmod go-w"
+        into = "into it" if kind == "folder" else "it"
+        return f"mode {stat.S_IMODE(st.st_mode):04o} lets group or others write {into} (uid {st.st_uid})", "chmod go-w"
     return None
 
 
@@ -64,6 +72,67 @@ def check_private_dir(path: str | os.PathLike, what: str) -> Path:
         fix = f"chmod go-w {path}" if fix == "chmod go-w" else fix
         raise PermissionError(f"{what}={path}: {problem}; files planted there would be loaded as code: {fix}")
     return path
+
+
+def check_private_file(path: str | os.PathLike, what: str) -> Path:
+    """Refuse ``path`` unless it is a regular file (no symlink) owned by this user that neither group nor others may
+    write (an ACL granting another user write shows as group write); ``what`` names it in the error."""
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what}={path}: does not exist") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise PermissionError(
+            f"{what}={path}: a symbolic link (to {os.readlink(path)}); whoever may write its target could plant code "
+            "there: copy the file itself"
+        )
+    if not stat.S_ISREG(st.st_mode):
+        raise PermissionError(f"{what}={path}: not a regular file (mode {stat.filemode(st.st_mode)})")
+    why = _why_not_private(st, "file")
+    if why:
+        problem, fix = why
+        fix = f"chmod go-w {path}" if fix == "chmod go-w" else fix
+        raise PermissionError(f"{what}={path}: {problem}; a file others may write would be loaded as code: {fix}")
+    return path
+
+
+def check_unswappable_parents(path: str | os.PathLike, what: str) -> None:
+    """Refuse ``path`` when a folder above it (as written, and as resolved) is writable by everyone without the sticky
+    bit: anyone could rename ``path`` away and put their own in its place after it was checked."""
+    absolute = Path(os.path.abspath(path))
+    for parent in dict.fromkeys([*absolute.parents, *Path(os.path.realpath(absolute)).parents]):
+        try:
+            st = os.stat(parent)
+        except OSError:
+            continue  # not there (yet): nothing in it to swap
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise PermissionError(
+                f"{what}={path}: the folder above it, {parent}, is writable by everyone without the sticky bit (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}): anyone could put another folder in its place after this check; "
+                f"chmod +t {parent} (or o-w), or move it under a folder of your own"
+            )
+
+
+def check_private_tree(folder: str | os.PathLike, what: str, kind: str = "checkpoint") -> int:
+    """Refuse the folder ``folder`` unless it and every folder and file in it pass :func:`check_private_dir` /
+    :func:`check_private_file` and no folder above it could be swapped (:func:`check_unswappable_parents`). For a
+    checkpoint, right before it is loaded; ``what`` names the folder, ``kind`` what is in it ("a file of the
+    checkpoint"). Returns the number of files checked."""
+    check_unswappable_parents(folder, what)
+    check_private_dir(folder, what)
+
+    def unreadable(err: OSError) -> None:
+        raise PermissionError(f"{what}={folder}: cannot list {err.filename} ({err.strerror})")
+
+    files = 0
+    for top, dirs, names in os.walk(folder, onerror=unreadable):
+        for name in dirs:  # a symlinked folder is listed here and refused, never entered
+            check_private_dir(os.path.join(top, name), f"a folder of the {kind}")
+        for name in names:
+            check_private_file(os.path.join(top, name), f"a file of the {kind}")
+        files += len(names)
+    return files
 
 
 def private_dir(path: str | os.PathLike, what: str) -> Path:
@@ -95,14 +164,29 @@ def write_ray_token(folder: str | os.PathLike, name: str = "token") -> Path:
     return path
 
 
+def token_file_problem(token_path: str | os.PathLike) -> str | None:
+    """What is wrong with ``token_path`` as a Ray token file (``RAY_AUTH_TOKEN_PATH=<path>: ...``), or None: it must
+    be a regular file (a Kubernetes Secret's symlink to one is followed), this user's, readable by nobody else."""
+    try:
+        st = os.stat(token_path)
+    except OSError as err:
+        return f"RAY_AUTH_TOKEN_PATH={token_path}: no readable token file here ({err.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return f"RAY_AUTH_TOKEN_PATH={token_path}: not a file (mode {stat.filemode(st.st_mode)})"
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return (
+            f"RAY_AUTH_TOKEN_PATH={token_path}: owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}; "
+            "a token file must be this user's and readable by nobody else (chmod 600)"
+        )
+    return None
+
+
 def ray_token_env(token_path: str | os.PathLike) -> dict[str, str]:
     """The variables every process of a token-authenticated Ray cluster needs (head, nodes, drivers, clients):
     ``RAY_AUTH_MODE=token`` and the token's path, after checking the file is this user's and private."""
     token_path = Path(token_path)
-    st = os.stat(token_path)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(
-            f"RAY_AUTH_TOKEN_PATH={token_path}: owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}; "
-            "a token file must be this user's and readable by nobody else (chmod 600)"
-        )
+    os.stat(token_path)  # a missing file: FileNotFoundError, naming it
+    problem = token_file_problem(token_path)
+    if problem:
+        raise PermissionError(problem)
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}

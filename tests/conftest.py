@@ -21,9 +21,10 @@ SLOW_TESTS = os.environ.get("GTPO_SLOW_TESTS", "0") == "1"
 SHARED_DATA = Path(os.environ.get("GTPO_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
 
-# Tests that need the session's Ray cluster, that watch /dev/shm while trainer runs use it, or that start this host's
-# one Slurm (two workers' Slurm daemons on one host stop each other's munged).
-RAY_FIXTURES = {"ray_cluster", "ray_session", "slurm"}
+# Tests that need the session's Ray cluster, that start a Ray cluster of their own (ray_host), that watch /dev/shm
+# while trainer runs use it, or that start this host's one Slurm (two workers' Slurm daemons on one host stop each
+# other's munged).
+RAY_FIXTURES = {"ray_cluster", "ray_session", "ray_host", "slurm"}
 SHM_MODULES = {"test_vllm_patches.py"}
 # Where the xdist workers write the node ids of those tests for the controller's scheduler (set by the controller).
 RAY_IDS_ENV = "GTPO_RAY_TEST_IDS"
@@ -93,6 +94,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def ray_host():
+    """A test that starts a Ray cluster of its own on this host: it runs in the Ray group, one at a time with the
+    others that start Ray (:data:`RAY_FIXTURES`)."""
+    return None
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from gtpo.methods import ENTROPY, METHODS
-from tests.support.configs import compose
+from tests.support.configs import compose, data_overrides
 from tests.support.launch import dry_run_env, resolved_config, script_path
 from tests.support.v1_trainers import MemoryTQ, compute_advantages, make_trainer, tq_batch
 
@@ -388,7 +388,7 @@ def test_separate_async_preset_gives_the_rollout_gpus_to_vllm():
 
 
 @pytest.mark.parametrize("cupy", [None, "stand-in"])
-def test_the_entry_point_refuses_nccl_without_cupy(cupy, monkeypatch):
+def test_the_entry_point_refuses_nccl_without_cupy(cupy, monkeypatch, tmp_path):
     """prepare_config, before Ray: cupy's import failure simulated (sys.modules["cupy"] = None makes it raise)."""
     import sys
 
@@ -403,8 +403,9 @@ def test_the_entry_point_refuses_nccl_without_cupy(cupy, monkeypatch):
         assert "install cupy-cuda13x==14.0.1" in str(err.value)
         prepare_config(compose([*SEPARATE, "method=gtpo", "model=qwen2.5_7b"]), dry_run=True)  # a laptop dry run
     else:
-        prepare_config(cfg)
-    prepare_config(compose(["method=gtpo", "model=qwen2.5_7b"]))  # the naive engine of the other modes imports nothing
+        prepare_config(compose([*SEPARATE, "method=gtpo", "model=qwen2.5_7b", *data_overrides(tmp_path)]))
+    # the naive engine of the other modes imports nothing
+    prepare_config(compose(["method=gtpo", "model=qwen2.5_7b", *data_overrides(tmp_path)]))
 
 
 def test_colocate_async_constraints():

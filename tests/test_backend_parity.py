@@ -205,6 +205,47 @@ def test_ulysses_is_refused_with_an_attention_that_does_not_gather_the_sequence(
         validate_recipe_config(compose(["backend=cpu_tiny", *engine, sdpa[1:]]))
 
 
+def test_the_reference_models_ulysses_is_checked_like_the_actors():
+    """The reference model's own Ulysses size under an attention that does not gather the sequence: its log-probs
+    would be computed shard-locally, wrong, without an error."""
+    from gtpo.launch.checks import check_sequence_parallel_attention
+
+    ref = ["backend=cpu_tiny", "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.use_kl_loss=true",
+           "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"]  # fmt: skip
+    check_sequence_parallel_attention(compose(ref))  # the CPU backend's gtpo_cpu_sdpa gathers it
+    sdpa = "actor_rollout_ref.model.override_config.attn_implementation=sdpa"
+    with pytest.raises(ValueError, match=r"ref.ulysses_sequence_parallel_size=2 with .*attn_implementation=sdpa"):
+        check_sequence_parallel_attention(compose([*ref, sdpa]))
+
+
+def test_flash_attention_3_is_accepted_with_ulysses():
+    from gtpo.launch.checks import check_sequence_parallel_attention
+
+    fa3 = "+actor_rollout_ref.model.override_config.attn_implementation=flash_attention_3"
+    check_sequence_parallel_attention(compose(["model=qwen2.5_7b", "scale=dapo", fa3]))  # Ulysses 4
+
+
+def test_the_cpu_ulysses_attention_with_one_kv_head_equals_sdpa_over_the_packed_row(tmp_path):
+    """Two gloo ranks, Ulysses 2, query of 2 heads and key/value of ONE KV head (repeated up to the SP size before
+    the all-to-all, as verl's wrapper does), two packed sequences: each rank's output is its shard of one process's
+    SDPA over the whole row with the packed causal mask."""
+    import torch
+    import torch.multiprocessing as mp
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from gtpo.cpu.ulysses_attention import packed_causal_mask
+    from tests.support.ulysses import packed_row, rank_main
+
+    mp.spawn(rank_main, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
+    query, key, value, positions = packed_row()
+    mask = packed_causal_mask(positions)
+    whole = torch.nn.functional.scaled_dot_product_attention(query, repeat_kv(key, 2), repeat_kv(value, 2), mask)
+    whole = whole.transpose(1, 2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        torch.testing.assert_close(got, whole[:, 3 * rank : 3 * rank + 3], rtol=1e-6, atol=1e-6)
+
+
 def test_packed_causal_mask_stops_at_each_sequence_start():
     import torch
 

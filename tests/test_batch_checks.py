@@ -150,3 +150,25 @@ def test_a_token_budget_must_hold_verl_s_128_token_padding_row():
         batch_plan(compose([*short, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=127"]))
     ulysses = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
     batch_plan(compose([*short, *ulysses, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64"]))
+
+
+def test_the_old_policy_pass_shares_the_actors_dynamic_batching_when_unset():
+    """verl's composed config always sets ``rollout.log_prob_use_dynamic_bsz`` by interpolation; a hand-built one
+    without it takes the actor's flag (verl's actor worker asserts the two equal)."""
+    from omegaconf import OmegaConf
+
+    from gtpo.launch.batch_checks import dynamic_batches
+
+    config = OmegaConf.create({"actor_rollout_ref": {"actor": {"use_dynamic_bsz": True}, "rollout": {}}})
+    assert dynamic_batches(config) is True
+
+
+def test_a_lora_adapter_path_puts_the_reference_pass_on_the_actors_engine():
+    """With adapters loaded from a path the reference model is the actor's base (verl's ``ref_in_actor``): a fixed
+    reference micro-batch is checked against the actor's ranks, not refused as if on an engine of its own."""
+    from gtpo.launch.batch_checks import engines
+
+    cfg = compose(["backend=cpu_tiny", "actor_rollout_ref.actor.use_kl_loss=true",
+                   "actor_rollout_ref.model.lora_adapter_path=/models/adapter"])  # fmt: skip
+    assert engines(cfg) == {"rollout": "actor", "ref": "actor"}
+    assert engines(compose(["backend=cpu_tiny", "actor_rollout_ref.actor.use_kl_loss=true"]))["ref"] == "ref"

@@ -20,7 +20,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from gtpo.launch.checks import check_world_size_before_launch
+from gtpo.launch.checks import ResumeRefused, check_world_size_before_launch
 from gtpo.trainer.resume import checkpoint_state, checkpoint_world_size, checkpoints
 from gtpo.trainer.resume.checkpoints import TRACKER_FILE, CheckpointLayout, prune_checkpoints, resolve_auto_resume
 from tests.support.checkpoints import make_trainer, save, write_shards
@@ -339,16 +339,26 @@ def _trainer_cfg(root, **kw):
     return OmegaConf.create({"trainer": {**base, **kw}, "algorithm": {"resume": {"other_world_size": "refuse"}}})
 
 
+def test_the_refusal_suggests_the_runs_gpus_per_node_only_where_they_divide_the_saved_size(root):
+    """Saved at 6, resumed on 4 GPUs a node: the way out names 1 node x 6 GPUs, not 4 GPUs (which hold 4 ranks)."""
+    save(root, 2, world_size=6)
+    with pytest.raises(RuntimeError, match=r"e\.g\. trainer\.nnodes=1 trainer\.n_gpus_per_node=6\)"):
+        checkpoint_world_size.check_resume_world_size(str(root / "global_step_2"), 1, 4)
+    save(root, 4, world_size=8)
+    with pytest.raises(RuntimeError, match=r"e\.g\. trainer\.nnodes=2 trainer\.n_gpus_per_node=4\)"):
+        checkpoint_world_size.check_resume_world_size(str(root / "global_step_4"), 1, 4)
+
+
 def test_the_driver_refuses_before_ray_starts_where_it_sees_the_folder(root):
     save(root, 2, world_size=1)
     save(root, 4, world_size=2)
-    with pytest.raises(RuntimeError, match=f"cannot resume from {root / 'global_step_4'} at world size 1 "):
+    with pytest.raises(ResumeRefused, match=f"cannot resume from {root / 'global_step_4'} at world size 1 "):
         check_world_size_before_launch(_trainer_cfg(root), SYNC)
     assert check_world_size_before_launch(_trainer_cfg(root, n_gpus_per_node=2), SYNC) == str(root / "global_step_4")
     # auto reads, never rewrites: a tracker naming an incomplete folder falls back to the newest complete one
     save(root, 6, upto=3, world_size=1)  # shards, data, tracker; no state file
     assert (root / TRACKER_FILE).read_text() == "6"
-    with pytest.raises(RuntimeError, match="global_step_4 at world size 1"):
+    with pytest.raises(ResumeRefused, match="global_step_4 at world size 1"):
         check_world_size_before_launch(_trainer_cfg(root), SYNC)
     assert (root / TRACKER_FILE).read_text() == "6"
     # resume_path checks the folder it names, whatever its completeness
@@ -384,7 +394,7 @@ def test_the_driver_refuses_to_resume_from_a_folder_others_could_plant_files_in(
     step = save(root, 2, world_size=2)  # another world size than the run's: the privacy check comes first
     plant(root, step)
     expect = f"cannot resume: {what.format(root=root, step=step)}: {why}"
-    with pytest.raises(RuntimeError, match=re.escape(expect)) as err:
+    with pytest.raises(ResumeRefused, match=re.escape(expect)) as err:
         check_world_size_before_launch(_trainer_cfg(root), SYNC)
     fixes = ("give the real folder", "chmod go-w", "use a folder of your own")
     assert "\n" not in str(err.value) and any(fix in str(err.value) for fix in fixes)
@@ -392,15 +402,22 @@ def test_the_driver_refuses_to_resume_from_a_folder_others_could_plant_files_in(
 
 def test_an_evaluation_refuses_a_named_checkpoint_others_could_write(root):
     """scripts/eval_checkpoint.sh resumes with trainer.resume_from_path=<folder>: the folder it names is checked the
-    same way (its parent is not: evaluating a folder of one's own inside a shared one is allowed)."""
+    same way, its files too; a folder of one's own inside a shared one is allowed when nobody else can swap it there
+    (the sticky bit of a shared folder such as /tmp), refused when everyone could."""
     step = save(root, 2, world_size=1)
     named = _trainer_cfg(root, resume_mode="resume_path", resume_from_path=str(step))
+    os.chmod(root, 0o1777)
+    assert check_world_size_before_launch(named, SYNC) == str(step)
     os.chmod(root, 0o777)
-    assert check_world_size_before_launch(named, SYNC) == str(step)
-    os.chown(step / "data.pt", NOBODY, -1)  # files are not judged: only this user (or root) can put one there
-    assert check_world_size_before_launch(named, SYNC) == str(step)
+    with pytest.raises(ResumeRefused, match=re.escape(f"{root}, is writable by everyone without the sticky bit")):
+        check_world_size_before_launch(named, SYNC)
+    os.chmod(root, 0o755)
+    os.chown(step / "data.pt", NOBODY, -1)
+    with pytest.raises(ResumeRefused, match=re.escape(f"{step}/data.pt: owned by uid {NOBODY}")):
+        check_world_size_before_launch(named, SYNC)
+    os.chown(step / "data.pt", os.getuid(), -1)
     os.chown(step, NOBODY, -1)
-    with pytest.raises(RuntimeError, match=re.escape(f"trainer.resume_from_path={step}: owned by uid {NOBODY}")):
+    with pytest.raises(ResumeRefused, match=re.escape(f"trainer.resume_from_path={step}: owned by uid {NOBODY}")):
         check_world_size_before_launch(named, SYNC)
 
 
@@ -413,14 +430,14 @@ def test_nothing_to_check_when_there_is_no_resume_or_no_folder(root, mode):
 def test_prepare_config_refuses_the_resume_before_ray_starts(root, monkeypatch):
     import gtpo.verl_plugin.register  # noqa: F401  (the estimators, as main() registers them before prepare_config)
     from recipe.gtpo.main_gtpo import prepare_config
-    from tests.support.configs import compose
+    from tests.support.configs import compose, data_overrides
 
     monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)  # prepare_config sets it; restored afterwards
 
     save(root, 2, world_size=2)
     cfg = compose(["backend=cpu_tiny", "trainer.resume_mode=auto", f"trainer.default_local_dir={root}",
-                   "algorithm.resume.other_world_size=refuse"])  # fmt: skip
-    with pytest.raises(RuntimeError, match="saved at world size 2"):
+                   "algorithm.resume.other_world_size=refuse", *data_overrides(root.parent / "data")])  # fmt: skip
+    with pytest.raises(ResumeRefused, match="saved at world size 2"):
         prepare_config(cfg)
     prepare_config(cfg, dry_run=True)  # a dry run may run where the cluster's storage is not mounted: no check
 
@@ -430,17 +447,18 @@ def test_prepare_config_reads_an_async_run_checkpoints_as_its_trainer_does(root,
     resume would, and checks the complete one it would load instead (saved at this world size)."""
     import gtpo.verl_plugin.register  # noqa: F401  (the estimators, as main() registers them before prepare_config)
     from recipe.gtpo.main_gtpo import prepare_config
-    from tests.support.configs import compose
+    from tests.support.configs import compose, data_overrides
 
     monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
     save(root, 2, world_size=1, async_mode=True)
     save(root, 4, world_size=2)  # no transfer_queue/: not resumable by an asynchronous trainer
+    data = data_overrides(root.parent / "data")
     cfg = compose(["backend=cpu_tiny", "trainer=colocate_async", "trainer.resume_mode=auto",
-                   f"trainer.default_local_dir={root}"])  # fmt: skip
+                   f"trainer.default_local_dir={root}", *data])  # fmt: skip
     prepare_config(cfg)
-    with pytest.raises(RuntimeError, match="global_step_4 at world size 1"):
+    with pytest.raises(ResumeRefused, match="global_step_4 at world size 1"):
         prepare_config(compose(["backend=cpu_tiny", "trainer.resume_mode=auto", f"trainer.default_local_dir={root}",
-                                "algorithm.resume.other_world_size=refuse"]))  # fmt: skip
+                                "algorithm.resume.other_world_size=refuse", *data]))  # fmt: skip
 
 
 def test_a_role_folder_mixing_two_sizes_is_refused_for_the_critic_as_for_the_actor(root):

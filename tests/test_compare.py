@@ -273,3 +273,6 @@ def test_the_sweeps_own_cluster_is_a_new_local_one(monkeypatch):
     token = Path(compare.os.environ["RAY_AUTH_TOKEN_PATH"])
     assert len(token.read_text()) == 64 and token.stat().st_mode & 0o077 == 0
     assert token.parent.stat().st_mode & 0o077 == 0
+    # its session folders in a folder only this user may enter (Ray makes them 0777)
+    session_root = Path(compare.os.environ["RAY_TMPDIR"])
+    assert session_root.stat().st_mode & 0o777 == 0o700 and token.parent.parent == session_root

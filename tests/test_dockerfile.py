@@ -193,3 +193,17 @@ def test_cupy_installed_at_verl_s_pin_and_checked_at_build_time(monkeypatch):
         exec(code, {})
     monkeypatch.setitem(CheckpointEngineRegistry._registry, "nccl", object)
     exec(code, {})
+
+
+def test_login_shells_of_the_image_write_private_files(tmp_path):
+    """KubeRay starts Ray in the container with ``/bin/bash -lc``: the image's profile sets umask 077 there, so the
+    Ray workers that write checkpoints on the shared volume write them for the user alone (as the launchers do)."""
+    import subprocess
+
+    found = re.search(r"^COPY (docker/\S+\.sh) (/etc/profile\.d/\S+\.sh)$", DOCKERFILE.read_text(), re.M)
+    assert found, "docker/Dockerfile: no /etc/profile.d script"
+    profile = REPO / found.group(1)
+    # what a login shell does with /etc/profile.d, then a file written by its child
+    script = f"umask 022; . {profile}; touch {tmp_path}/f; stat -c %a {tmp_path}/f"
+    out = subprocess.run(["bash", "--noprofile", "--norc", "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "600"

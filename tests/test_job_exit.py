@@ -48,6 +48,25 @@ def test_the_driver_code_wins_over_the_cli_status(status, code, log, cli, expect
     assert got == expect and status in why
 
 
+def test_a_job_still_running_is_named_with_how_to_follow_it(monkeypatch, capsys):
+    """``JOB_NO_WAIT`` or a CLI that gave up: a RUNNING job has no driver exit code yet; the CLI's status is kept."""
+    import types
+
+    from gtpo.launch import job_exit
+
+    class Client:
+        def __init__(self, address):
+            self.address = address
+
+        def get_job_info(self, job_id):
+            return types.SimpleNamespace(status="RUNNING", driver_exit_code=None)
+
+    monkeypatch.setitem(sys.modules, "ray.job_submission", types.SimpleNamespace(JobSubmissionClient=Client))
+    assert job_exit.main(["gtpo_x", "--address", "http://h:8265", "--cli-status", "3"]) == 3
+    err = capsys.readouterr().err
+    assert "job gtpo_x is still RUNNING (ray job submit ended with 3)" in err and "--follow" in err
+
+
 def test_the_last_exit_line_counts():
     text = f"{exit_line(75, 'a')}\nlater\n{exit_line(85, 'b')}\n"
     assert last_exit_line(text) == 85 and last_exit_line("gtpo driver: exit status x") is None

@@ -313,6 +313,19 @@ def test_token_auth_reaches_head_workers_and_submitter(job):
         assert secret.get("defaultMode", 0o644) & 0o077 == 0 and not secret.get("optional"), where
 
 
+def test_no_pod_mounts_the_service_account_token(job):
+    """Nothing in the pods talks to the Kubernetes API (no autoscaler): code that reaches a Ray process (TransferQueue
+    unpickles what it receives) finds no API token to act on the namespace with."""
+    specs = {"submitter": job["spec"]["submitterPodTemplate"]["spec"],
+             "head": job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]}  # fmt: skip
+    for group in job["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
+        specs[group["groupName"]] = group["template"]["spec"]
+    assert {where: spec.get("automountServiceAccountToken") for where, spec in specs.items()} == dict.fromkeys(
+        specs, False
+    )
+    assert "enableInTreeAutoscaling" not in job["spec"]["rayClusterSpec"]  # the autoscaler would need the token
+
+
 def test_submitter_pod(job):
     """KubeRay uses a submitterPodTemplate as given, with its own `ray job submit` command when none is set."""
     head = container(job["spec"]["rayClusterSpec"]["headGroupSpec"])
@@ -838,6 +851,7 @@ def test_7b_differs_from_32b_only_where_named(docs, docs_7b):
         test_auth_settings_agree,
         test_token_auth_reaches_head_workers_and_submitter,
         test_submitter_pod,
+        test_no_pod_mounts_the_service_account_token,
     ],
     ids=lambda check: check.__name__.removeprefix("test_"),
 )

@@ -43,6 +43,7 @@ def launch(tmp_path):
     home.mkdir(parents=True)
     token = tmp_path / "token"
     token.write_text("t" * 64)
+    token.chmod(0o600)
 
     def run(path: Path, *args: str, **extra: str):
         env = {
@@ -121,12 +122,24 @@ def test_job_mode_with_shared_paths_submits_and_prints_them(launch):
     "extra,message",
     [
         ({"RAY_AUTH_TOKEN_PATH": ""}, "the cluster's dashboard wants its Ray token and RAY_AUTH_TOKEN_PATH is unset"),
-        ({"RAY_AUTH_TOKEN_PATH": "/nonexistent/token"}, "RAY_AUTH_TOKEN_PATH=/nonexistent/token: not a readable file"),
+        (
+            {"RAY_AUTH_TOKEN_PATH": "/nonexistent/token"},
+            "RAY_AUTH_TOKEN_PATH=/nonexistent/token: no readable token file here (No such file or directory)",
+        ),
+        ({"RAY_AUTH_TOKEN_PATH": "{tmp}"}, "RAY_AUTH_TOKEN_PATH={tmp}: not a file (mode drwx"),
+        ({"RAY_AUTH_TOKEN_PATH": "{tmp}/shared-token"}, "RAY_AUTH_TOKEN_PATH={tmp}/shared-token: owned by uid"),
         ({"RAY_AUTH_MODE": "tokens"}, "RAY_AUTH_MODE=tokens: expected token or disabled"),
     ],
+    ids=["unset", "missing", "a-folder", "readable-by-others", "bad-mode"],
 )
-def test_job_mode_submits_only_with_the_clusters_token(launch, extra, message):
-    """`ray job submit` without the token would get the dashboard's 401 after uploading the working dir."""
+def test_job_mode_submits_only_with_the_clusters_token(launch, tmp_path, extra, message):
+    """`ray job submit` without the token would get the dashboard's 401 after uploading the working dir; a token
+    file others may read (Ray's own generator writes 0644) is refused as well."""
+    shared = tmp_path / "shared-token"
+    shared.write_text("t" * 64)
+    shared.chmod(0o644)
+    extra = {k: v.format(tmp=tmp_path) for k, v in extra.items()}
+    message = message.format(tmp=tmp_path)
     proc, calls, _ = launch(script(), **JOB, RAY_DATA_HOME="/shared/verl", **extra)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
     assert calls == []  # nothing submitted

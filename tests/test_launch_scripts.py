@@ -345,6 +345,7 @@ def test_job_submission_carries_plugin_run_and_secrets_in_runtime_env(tmp_path):
     bin_dir, log = fake_tools(tmp_path)
     env = launch_env(tmp_path, bin_dir, log, RAY_ADDRESS="http://head:8265", RAY_DATA_HOME="/shared/verl")
     (tmp_path / "token").write_text("t" * 64)
+    (tmp_path / "token").chmod(0o600)
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(tmp_path / "token"))
     env["ENV_PASSTHROUGH"] = "WANDB_API_KEY NCCL_SOCKET_IFNAME"  # named explicitly (not copied by default)
     proc = subprocess.run(
@@ -378,6 +379,7 @@ def test_the_trace_is_off_unless_asked_for_and_never_shows_a_secret(tmp_path):
     stay in the environment, Ray's token is a file."""
     bin_dir, log = fake_tools(tmp_path)
     (tmp_path / "token").write_text("ray-token-456")
+    (tmp_path / "token").chmod(0o600)
     env = launch_env(tmp_path, bin_dir, log, RAY_ADDRESS="http://head:8265", RAY_DATA_HOME="/shared/verl")
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(tmp_path / "token"), HF_TOKEN="hf-secret-789")
     cmd = ["bash", str(script_path("gtpo", "32b")), "trainer.total_epochs=2"]

@@ -64,6 +64,16 @@ def test_deadline_values():
     assert parse_deadline("2027-01-15T08:00:00+00:00") == 1_800_000_000.0
 
 
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_deadline_is_refused(value):
+    """``deadline: true`` in YAML is a bool (an int to Python): taken as a Unix time it would be 1970, a stop after
+    the first step."""
+    with pytest.raises(ValueError, match=f"deadline={value}: expected auto, none, a Unix time or an ISO 8601 time"):
+        parse_deadline(value)
+    with pytest.raises(ValueError, match=f"deadline={value}"):
+        PreemptionParams(deadline=value)
+
+
 @pytest.mark.parametrize("value", [0, 0.0, "0", " 0 ", "-1", "nan", "1970-01-01T00:00:00+00:00"])
 def test_a_zero_deadline_is_refused_not_taken_as_now(value):
     # a deadline of 0 would stop the run after its first step; `none` is how to turn the deadline off

@@ -191,9 +191,10 @@ def test_broken_config_fails_its_check(compose, layout, item, overrides, expect)
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pq.write_table(pa.table({"question": ["q"], "prompt": ["p"]}), layout["train"])
-        pq.write_table(pa.table({"prompt": ["p"]}), layout["val"])
-        expect = "has no column data.prompt_key='question'"
+        row = {"data_source": ["d"], "reward_model": [{"ground_truth": "1"}]}
+        pq.write_table(pa.table({**row, "question": [[{"role": "user", "content": "q"}]]}), layout["train"])
+        pq.write_table(pa.table({**row, "prompt": [[{"role": "user", "content": "q"}]]}), layout["val"])
+        expect = "has no column question (data.prompt_key=question"
     if "max_response_length" in overrides[0]:
         # keep the batch plan valid so that only the model's context length is wrong
         overrides = [

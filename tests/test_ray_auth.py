@@ -11,6 +11,7 @@ would pass them too, which is what the refusals here are for.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import urllib.error
@@ -112,23 +113,45 @@ def test_a_driver_joining_without_its_token_is_refused_at_once(env, message):
         check_ray_auth(env)
 
 
+def test_a_token_path_that_is_a_folder_or_readable_by_others_is_refused(tmp_path):
+    """Ray reads any file it is given and does not look at its mode (its own generator writes 0644): a token others
+    may read lets them into the cluster; a folder is no token at all (as root it is "readable")."""
+    joining = {"RAY_ADDRESS": "h:1", "RAY_AUTH_MODE": "token"}
+    with pytest.raises(ValueError, match=re.escape(f"RAY_AUTH_TOKEN_PATH={tmp_path}: not a file (mode drwx")):
+        check_ray_auth({**joining, "RAY_AUTH_TOKEN_PATH": str(tmp_path)})
+    shared = tmp_path / "auth_token"
+    shared.write_text("a" * 64)
+    for perms in (0o644, 0o640, 0o604):
+        shared.chmod(perms)
+        with pytest.raises(ValueError, match=re.escape(f"owned by uid {os.getuid()}, mode {perms:04o}; a token file")):
+            check_ray_auth({**joining, "RAY_AUTH_TOKEN_PATH": str(shared)})
+    shared.chmod(0o600)
+    check_ray_auth({**joining, "RAY_AUTH_TOKEN_PATH": str(shared)})
+    if os.getuid() == 0:
+        os.chown(shared, 65534, -1)
+        with pytest.raises(ValueError, match="owned by uid 65534"):
+            check_ray_auth({**joining, "RAY_AUTH_TOKEN_PATH": str(shared)})
+
+
 def test_what_the_driver_check_lets_through(tmp_path):
     token = tmp_path / "token"
     token.write_text("a" * 64)
-    assert ray_auth_problem({}) is None  # a new local cluster: Ray turns its token on itself
+    token.chmod(0o600)
+    assert ray_auth_problem({}) is None  # a new local cluster: the entry point gives it a private token
     assert ray_auth_problem({"RAY_ADDRESS": "local"}) is None
+    assert ray_auth_problem({"RAY_ADDRESS": " "}) is None and ray_auth_problem({"RAY_ADDRESS": "local\n"}) is None
     assert ray_auth_problem({"RAY_ADDRESS": "h:1", "RAY_AUTH_MODE": "disabled"}) is None  # the explicit knob
     assert ray_auth_problem({"RAY_ADDRESS": "h:1", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}) is None
     assert ray_auth_problem({"RAY_ADDRESS": "h:1", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "v"}) is None
 
 
-def test_the_entry_point_refuses_before_ray_starts(monkeypatch):
+def test_the_entry_point_refuses_before_ray_starts(monkeypatch, tmp_path):
     """``prepare_config`` (the driver, before ``ray.init``) attached to a cluster without its token: a ValueError
     naming the variable, which the entry point prints as one line with the configuration-error exit; a dry run, which
     joins nothing, is not stopped."""
     import gtpo.verl_plugin.register  # noqa: F401
     from recipe.gtpo.main_gtpo import prepare_config
-    from tests.support.configs import compose
+    from tests.support.configs import compose, data_overrides
 
     for key in [k for k in os.environ if k.startswith("RAY_AUTH")]:
         monkeypatch.delenv(key)
@@ -137,4 +160,4 @@ def test_the_entry_point_refuses_before_ray_starts(monkeypatch):
         prepare_config(compose(["method=gtpo", "model=qwen2.5_7b"]))
     prepare_config(compose(["method=gtpo", "model=qwen2.5_7b"]), dry_run=True)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    prepare_config(compose(["method=gtpo", "model=qwen2.5_7b"]))
+    prepare_config(compose(["method=gtpo", "model=qwen2.5_7b", *data_overrides(tmp_path)]))

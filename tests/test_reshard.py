@@ -343,6 +343,194 @@ def test_a_rank_whose_rows_are_not_torch_chunks_cut_is_refused(saved_at_2, tmp_p
         reshard_checkpoint(str(folder), 3)
 
 
+# ------------------------------------------------------------------------------- the swap, and what each check holds
+
+
+def test_a_kill_during_the_swap_itself_leaves_the_original_loadable(saved_at_2, tmp_path, monkeypatch):
+    """A kill right after the first operation on ``actor/`` itself (the original moved aside; the new copy complete
+    beside it, not yet renamed in): the next resume restores the original, byte for byte."""
+    folder = _copy(saved_at_2[0], tmp_path)
+    before = _hashes(folder / "actor")
+    actor = str(folder / "actor")
+
+    class Killed(BaseException):
+        pass
+
+    def killed_after(real):
+        def op(src, *args, **kwargs):
+            real(src, *args, **kwargs)
+            if str(src) == actor:
+                raise Killed  # nothing after this line of the reshard runs, as under kill -9
+
+        return op
+
+    monkeypatch.setattr(os, "replace", killed_after(os.replace))
+    monkeypatch.setattr(shutil, "rmtree", killed_after(shutil.rmtree))
+    with pytest.raises(Killed):
+        reshard_checkpoint(str(folder), 3)
+    monkeypatch.undo()
+    assert not (folder / "actor").exists() and sorted(shard_files(actor + NEW_SUFFIX)) == [3]
+    assert finish_interrupted_reshards(str(folder)) == [
+        f"restored {actor} from an interrupted reshard",
+        f"removed {actor + NEW_SUFFIX}",
+    ]
+    assert _hashes(folder / "actor") == before and sorted(p.name for p in folder.iterdir()) == ["actor"]
+
+
+def test_an_original_left_after_a_complete_swap_is_removed(saved_at_2, tmp_path):
+    """A kill after the second rename, before the original's removal: ``actor/`` is the new copy and stays."""
+    folder = _copy(saved_at_2[0], tmp_path)
+    shutil.copytree(folder / "actor", folder / ("actor" + OLD_SUFFIX))
+    before = _hashes(folder / "actor")
+    assert finish_interrupted_reshards(str(folder)) == [f"removed {folder / ('actor' + OLD_SUFFIX)}"]
+    assert sorted(p.name for p in folder.iterdir()) == ["actor"] and _hashes(folder / "actor") == before
+
+
+def test_refuse_also_refuses_a_critic_at_another_size(saved_at_2, tmp_path):
+    """``other_world_size=refuse`` with the actor at the run's size and only ``critic/`` at another: refused, the
+    critic untouched (not resharded as with ``reshard``)."""
+    folder = _copy(saved_at_2[0], tmp_path)
+    reshard_role(str(folder / "actor"), str(folder / "critic"), 3)
+    before = _hashes(folder / "critic")
+    _model_dir(tmp_path, folder)
+    config = _run_config(tmp_path, 2)
+    config.algorithm.resume.other_world_size = "refuse"
+    with pytest.raises(RuntimeError, match=f"cannot resume from {folder}: its critic is at another world size than 2"):
+        checkpoint_world_size.match_resume_world_size(str(folder), config, CheckpointLayout(use_critic=True))
+    assert _hashes(folder / "critic") == before and sorted(shard_files(str(folder / "critic"))) == [3]
+
+
+def _resave(path: Path, change) -> None:
+    state = torch.load(path, weights_only=False)
+    change(state)
+    torch.save(state, path)
+
+
+def test_a_scheduler_state_that_differs_between_ranks_is_refused(saved_at_2, tmp_path):
+    """Only sharded entries may differ between rank files: rank 1's ``lr_scheduler.last_epoch`` one higher."""
+    folder = _copy(saved_at_2[0], tmp_path)
+    path = folder / "actor" / shard_name("extra_state", 2, 1)
+    _resave(path, lambda state: state["lr_scheduler"].update(last_epoch=state["lr_scheduler"]["last_epoch"] + 1))
+    with pytest.raises(ReshardRefused, match=r"\['lr_scheduler'\]\['last_epoch'\]: rank 1's value differs from rank"):
+        reshard_checkpoint(str(folder), 3)
+    assert sorted(p.name for p in folder.iterdir()) == ["actor"]
+
+
+def test_a_nan_the_same_on_every_rank_is_resharded(saved_at_2, tmp_path):
+    folder = _copy(saved_at_2[0], tmp_path)
+    for rank in range(2):
+        _resave(folder / "actor" / shard_name("extra_state", 2, rank), lambda state: state.update(best=float("nan")))
+    assert reshard_checkpoint(str(folder), 3) == {"actor": 2}
+    new = torch.load(folder / "actor" / shard_name("extra_state", 3, 2), weights_only=False)
+    assert new["best"] != new["best"]  # NaN, written once per new rank
+
+
+def test_a_dtensor_on_a_mesh_of_another_size_than_the_files_say_is_refused(saved_at_2, tmp_path):
+    """Both rank files' embedding re-saved on a mesh of 4 ranks (same local rows; the names still say 2)."""
+    import dataclasses
+
+    from torch.distributed.tensor import DTensor
+
+    from gtpo.trainer.resume.reshard_shards import _new_mesh
+
+    folder = _copy(saved_at_2[0], tmp_path)
+    for rank in range(2):
+
+        def four(state, rank=rank):
+            value = state["model.embed_tokens.weight"]
+            spec = dataclasses.replace(value._spec, mesh=_new_mesh(value.device_mesh, 4, rank))
+            state["model.embed_tokens.weight"] = DTensor(value._local_tensor, spec, requires_grad=False)
+
+        _resave(folder / "actor" / shard_name("model", 2, rank), four)
+    with pytest.raises(ReshardRefused, match=r"model.embed_tokens.weight'\] \(rank 0\): a DTensor on mesh \(4,\)"):
+        reshard_checkpoint(str(folder), 3)
+
+
+@pytest.mark.parametrize("record", ['{"FSDP_version": 3, "world_size": 2}', '{"world_size": 2}'])
+def test_an_fsdp_version_other_than_2_is_refused(saved_at_2, tmp_path, record):
+    folder = _copy(saved_at_2[0], tmp_path)
+    (folder / "actor" / "fsdp_config.json").write_text(record)
+    version = json.loads(record).get("FSDP_version")
+    with pytest.raises(ReshardRefused, match=f"fsdp_config.json: FSDP_version={version!r}; resharding reads FSDP2"):
+        reshard_checkpoint(str(folder), 3)
+
+
+def test_another_vocabulary_is_another_model(saved_at_2, tmp_path):
+    folder = _copy(saved_at_2[0], tmp_path)
+    _model_dir(tmp_path, folder, vocab_size=38)
+    problems = checkpoint_world_size.reshard_problems(str(folder), _run_config(tmp_path, 3), SYNC)
+    assert len(problems) == 1 and "(vocab_size: 37 saved, 38 in the run)" in problems[0]
+
+
+def test_an_empty_critic_folder_is_no_critic(saved_at_2, tmp_path):
+    folder = _copy(saved_at_2[0], tmp_path)
+    (folder / "critic").mkdir()
+    _model_dir(tmp_path, folder)
+    problems = checkpoint_world_size.reshard_problems(str(folder), _run_config(tmp_path, 3), CheckpointLayout(True))
+    assert problems == [f"the run has a critic but {folder}/critic holds no critic shards"]
+
+
+def test_fsdp_over_the_whole_world_is_not_hsdp(saved_at_2, tmp_path):
+    folder = _copy(saved_at_2[0], tmp_path)
+    _model_dir(tmp_path, folder)
+    config = _run_config(tmp_path, 4)
+    config.actor_rollout_ref.actor = {"fsdp_config": {"fsdp_size": 4}}
+    assert checkpoint_world_size.reshard_problems(str(folder), config, SYNC) == []
+
+
+def test_bare_adapter_keys_are_lora(tmp_path):
+    """``save_lora_only`` files whose keys start with ``lora_`` (no dotted prefix)."""
+    actor = tmp_path / "actor"
+    actor.mkdir()
+    torch.save({"lora_A.weight": torch.zeros(2), "lora_B.weight": torch.zeros(2)}, actor / shard_name("model", 1, 0))
+    assert checkpoint_world_size._checkpoint_is_lora(str(actor), 1)
+
+
+@pytest.mark.parametrize("rows", range(9))
+@pytest.mark.parametrize("world_size", range(1, 6))
+def test_the_row_cut_is_torch_chunks(rows, world_size):
+    """Including the cuts the tiny model never has: 1 row over 3 ranks, 5 rows over 4 (empty ranks at the end)."""
+    from gtpo.trainer.resume.reshard_shards import _chunk_rows
+
+    chunks = torch.arange(rows).chunk(world_size) if rows else ()
+    for rank in range(world_size):
+        expect = chunks[rank].tolist() if rank < len(chunks) else []
+        start, end = _chunk_rows(rows, world_size, rank)
+        assert list(range(start, end)) == expect, (rows, world_size, rank)
+
+
+def test_the_new_ranks_rng_is_fresh_per_rank_and_seeded_by_the_step(saved_at_2, tmp_path):
+    """2 -> 4: ranks 2 and 3 get generator states of their own, seeded by the step of ``global_step_<N>``."""
+    from gtpo.trainer.resume.reshard_shards import _fresh_rng
+
+    folder = tmp_path / "run" / "global_step_7"
+    shutil.copytree(saved_at_2[0], folder)
+    old = torch.load(folder / "actor" / shard_name("extra_state", 2, 0), weights_only=False)["rng"]
+    assert reshard_checkpoint(str(folder), 4) == {"actor": 2}
+    new = [torch.load(folder / "actor" / shard_name("extra_state", 4, r), weights_only=False)["rng"] for r in (2, 3)]
+    assert not torch.equal(new[0]["cpu"], new[1]["cpu"]) and new[0]["random"] != new[1]["random"]
+    for rank, rng in zip((2, 3), new, strict=True):
+        assert torch.equal(rng["cpu"], _fresh_rng(old, 7, rank)["cpu"])
+        assert not torch.equal(rng["cpu"], _fresh_rng(old, 0, rank)["cpu"])
+
+
+def test_the_resharded_role_folder_is_private(saved_at_2, tmp_path):
+    folder = _copy(saved_at_2[0], tmp_path)
+    old = os.umask(0o022)
+    try:
+        reshard_checkpoint(str(folder), 3)
+    finally:
+        os.umask(old)
+    assert (folder / "actor").stat().st_mode & 0o777 == 0o700
+
+
+def test_out_copies_a_role_already_at_the_size(saved_at_2, tmp_path):
+    folder = _copy(saved_at_2[0], tmp_path)
+    out = tmp_path / "copy"
+    assert reshard_checkpoint(str(folder), 2, out=str(out)) == {}
+    assert _hashes(out / "actor") == _hashes(folder / "actor") and sorted(shard_files(str(out / "actor"))) == [2]
+
+
 # -------------------------------------------------------------------------------------------- the offline command
 
 

@@ -675,7 +675,7 @@ def test_a_transient_failure_is_never_cached_as_a_verdict(transient, lenient, mo
     answers = iter([(False, transient), (True, "ok")])
     calls = []
 
-    def grade(gold, text):
+    def grade(gold, text, seconds):
         calls.append((gold, text))
         verdict = next(answers)
         return (*verdict, text) if lenient else verdict
@@ -686,3 +686,14 @@ def test_a_transient_failure_is_never_cached_as_a_verdict(transient, lenient, mo
     assert second[:2] == (True, "ok") and len(calls) == 2
     # a real verdict is cached: the third call does not grade again
     assert reward_math._grade_any(grade, ["5"], "5", lenient=lenient)[:2] == (True, "ok") and len(calls) == 2
+
+
+def test_the_grading_worker_imports_this_package_before_any_other_on_the_path():
+    """A ``gtpo`` on the parent's ``PYTHONPATH`` (another checkout) must not run as the grader."""
+    from pathlib import Path
+
+    from gtpo.reward.pool import worker_env
+
+    env = worker_env({"PYTHONPATH": "/elsewhere/with/another/gtpo"}, 1)
+    package_parent = str(Path(__file__).resolve().parents[1])
+    assert env["PYTHONPATH"].split(os.pathsep) == [package_parent, "/elsewhere/with/another/gtpo"]

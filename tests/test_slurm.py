@@ -702,6 +702,47 @@ def test_auth_dir_others_may_write_is_refused(tmp_path):
     assert not [r for r in records if r[0] in ("srun", "ray")] and not list(auth_dir.iterdir())
 
 
+@pytest.mark.parametrize("case", ["group-writable", "symlink", "open-parent", "sticky-parent"])
+def test_an_auth_dir_others_could_swap_is_refused(tmp_path, case):
+    """Who may write RAY_AUTH_DIR (its group: 0770), or the folder above it (everyone, without the sticky bit), could
+    put a folder holding a token they know in place of the job's; a symlink is refused whatever it points to."""
+    auth_dir = tmp_path / "auth"
+    expect = None
+    if case == "group-writable":
+        auth_dir.mkdir(mode=0o700)
+        auth_dir.chmod(0o770)
+        expect = f"RAY_AUTH_DIR={auth_dir}: owned by uid {os.getuid()}, mode 770"
+    elif case == "symlink":
+        (tmp_path / "real").mkdir(mode=0o700)
+        auth_dir.symlink_to(tmp_path / "real")
+        expect = f"RAY_AUTH_DIR={auth_dir}: a symbolic link; give the real folder"
+    else:
+        parent = tmp_path / "shared"
+        parent.mkdir()
+        parent.chmod(0o1777 if case == "sticky-parent" else 0o777)
+        auth_dir = parent / "auth"
+        expect = f"the folder above it, {parent}, is writable by everyone without the sticky bit (mode 777)"
+    proc, records = run_sbatch(tmp_path, RAY_AUTH_DIR=str(auth_dir))
+    if case == "sticky-parent":  # as /tmp: others may not rename what is not theirs
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return
+    assert proc.returncode != 0 and any(expect in m for m in messages(proc.stderr)), proc.stderr[-2000:]
+    assert not [r for r in records if r[0] in ("srun", "ray")]
+
+
+def test_one_warning_names_what_listens_without_the_token(tmp_path):
+    """TransferQueue's sockets and verl's vLLM servers bind the node addresses without Ray's token: said once per job
+    (not per node), unless RAY_NETWORK_PRIVATE=1 says the network reaches only the job's nodes."""
+    proc, _ = run_sbatch(tmp_path, SLURM_JOB_NODELIST="node[1-3]")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warnings = [m for m in messages(proc.stderr) if "listen without Ray's token" in m]
+    assert len(warnings) == 1 and "RAY_NETWORK_PRIVATE=1" in warnings[0]
+    quiet = tmp_path / "private"
+    quiet.mkdir()
+    proc, _ = run_sbatch(quiet, RAY_NETWORK_PRIVATE="1")
+    assert proc.returncode == 0 and not [m for m in messages(proc.stderr) if "without Ray's token" in m]
+
+
 def test_auth_dir_outside_the_data_home_is_mounted_in_the_container(tmp_path):
     image = tmp_path / "gtpo.sif"
     image.touch()

@@ -76,6 +76,29 @@ def test_a_readable_config_json_wins_over_the_name(tmp_path):
     assert missing is None and "'Mystery-1B' is not one of" in why
 
 
+def test_a_config_head_dim_wins_over_hidden_over_heads(tmp_path):
+    """Qwen3-32B's heads are 128 wide although 5120 / 64 = 80: a readable config.json's ``head_dim`` counts."""
+    folder = tmp_path / "my-qwen3-32b"
+    folder.mkdir()
+    known = KNOWN_MODELS["Qwen3-32B"]
+    config = {
+        "model_type": "qwen3", "num_hidden_layers": known.layers, "hidden_size": known.hidden,
+        "num_attention_heads": known.heads, "num_key_value_heads": known.kv_heads, "head_dim": known.head_dim,
+        "intermediate_size": known.intermediate, "vocab_size": known.vocab, "tie_word_embeddings": known.tied,
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    arch, source = architecture(str(folder))
+    assert arch == known and source.endswith("config.json")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "bfloat16", "fp16", "float16"])
+def test_a_frozen_base_in_16_bits_is_2_bytes_a_parameter_however_spelt(dtype):
+    cfg = compose(["method=gtpo", "model=qwen2.5_7b", "adapter=lora",
+                   f"actor_rollout_ref.actor.fsdp_config.model_dtype={dtype}"])  # fmt: skip
+    text = "\n".join(state_lines(cfg))
+    assert "frozen base 7.62 B x 2 B / 1 rank(s) = 15.2 GB" in text, text
+
+
 def test_the_one_gpu_lora_presets_state_their_memory():
     """adapter=lora on Qwen2.5-7B: the frozen fp32 base on the host between passes (7.62 B x 4 B = 30.5 GB), the
     rank-128 adapters' states, vLLM's bf16 copy (15.2 GB) in its share of the GPU."""

@@ -179,3 +179,35 @@ def test_the_cluster_folder_must_be_private(tmp_path, monkeypatch):
 def test_cluster_cli_refuses_bad_sizes(capsys):
     assert cluster.main(["start", "--nodes", "0"]) == 1
     assert "nodes=0" in capsys.readouterr().err
+
+
+def test_cluster_stop_ends_its_own_processes_and_nothing_else(monkeypatch, capsys, ray_host):
+    """``python -m gtpo.cpu.cluster stop --port P`` ends the processes of the cluster ``start`` started on P (every
+    process of its nodes' sessions that carries its token path) and removes its token; another Ray-named process of
+    this user's, which ``ray stop`` would end too (it matches names such as ``raylet``), keeps running."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    short = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))  # Ray's socket paths must stay short
+    monkeypatch.setattr(cluster.tempfile, "tempdir", str(short))
+    port = cluster.free_port()
+    bystander = subprocess.Popen(["bash", "-c", "exec -a raylet sleep 600"], start_new_session=True)
+    try:
+        _, token = cluster.start(nodes=1, port=port)
+        processes = cluster.cluster_processes(token.parent.parent)
+        assert len(processes) >= 3 and bystander.pid not in processes  # gcs, raylet, agents, ...
+        assert cluster.stop(port, grace_s=2.0) == [port]  # Ray's daemons take ~10 s over a SIGTERM; then SIGKILL
+        assert [pid for pid in processes if Path(f"/proc/{pid}").exists() and not cluster._is_zombie(pid)] == []
+        assert not token.exists() and cluster.cluster_processes(token.parent.parent) == []
+        assert bystander.poll() is None
+        assert cluster.main(["stop"]) == 0  # nothing recorded is left
+        assert (
+            "no Ray cluster started by `python -m gtpo.cpu.cluster start` is recorded here" in capsys.readouterr().out
+        )
+    finally:
+        cluster.stop(grace_s=2.0)
+        bystander.kill()
+        bystander.wait()
+        shutil.rmtree(short, ignore_errors=True)

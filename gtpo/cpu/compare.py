@@ -31,12 +31,9 @@ entropy averaged over the last window, and the seconds per training step (``timi
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -113,21 +110,19 @@ def parse_configs(text: str) -> list[str]:
 def start_local_ray(gpus: int = 1) -> str:
     """Start a Ray head in this process for the sweep's runs (the CPU backend's environment); its GCS address.
 
-    Like every cluster the recipe starts, it requires a token (a fresh one in a private folder, removed at exit; the
-    runs inherit its two variables): Ray 2.60 listens on the host's routable address whatever address it is given
+    Like every cluster the recipe starts it is private to this user (:mod:`gtpo.launch.local_ray`: a new cluster
+    whatever ``<tmp>/ray/ray_current_cluster`` names, a 0700 ``RAY_TMPDIR``, a fresh token, removed at exit; the runs
+    inherit its variables): Ray 2.60 listens on the host's routable address whatever address it is given
     (``resolve_ip_for_localhost``; the GCS on every interface), so the token is what keeps other users out.
     """
     import ray
 
     from gtpo.cpu import env as cpu_env
-    from gtpo.private_files import ray_token_env, write_ray_token
+    from gtpo.launch.local_ray import start_private_local_ray
 
     os.environ.update(cpu_env())
-    token_dir = tempfile.mkdtemp(prefix="gtpo-ray-auth-")
-    atexit.register(shutil.rmtree, token_dir, ignore_errors=True)
-    os.environ.pop("RAY_AUTH_TOKEN", None)
-    os.environ.update(ray_token_env(write_ray_token(token_dir)))
-    # address="local": a new cluster even when /tmp/ray/ray_current_cluster names one that has gone
+    os.environ.pop("RAY_ADDRESS", None)  # the sweep's own cluster, whatever the shell names
+    start_private_local_ray({}, os.environ)
     ctx = ray.init(address="local", num_cpus=16, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     return ctx.address_info["gcs_address"]
 

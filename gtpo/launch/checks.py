@@ -3,7 +3,8 @@
 :func:`check_config` is the one list the entry point (real runs and ``DRY_RUN=1``) and the preflight run, once and
 without side effects; the batch arithmetic it runs is :mod:`gtpo.launch.batch_checks`. :func:`prepare_launch` adds a
 real run's checks with side effects. The trainer's own checks are :mod:`gtpo.trainer.guard.startup_checks`. A refusal
-is a ``ValueError`` (``RuntimeError`` for a folder others could write) naming the key, its value and what is valid.
+is a ``ValueError`` naming the key, its value and what is valid (:class:`ResumeRefused` for the checkpoint a resume
+would load).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gtpo.launch.batch_checks import batch_plan, ulysses_size, verl_mode
 from gtpo.methods import ENTROPY, KNOBS, METHODS, entropy_available, fields_needed, knob, recipe_estimator
 from gtpo.tools.config import check_multi_turn
 
-__all__ = ["Checked", "check_config", "check_cpu_backend", "check_overlong_shaping",
+__all__ = ["Checked", "ResumeRefused", "check_config", "check_cpu_backend", "check_overlong_shaping",
            "check_world_size_before_launch", "prepare_launch", "validate_recipe_config"]  # fmt: skip
 
 # Attention implementations verl's Ulysses all-to-all wraps, and the CPU backend's SDPA that does the same.
@@ -257,6 +258,9 @@ def check_lora_weight_sync(config: DictConfig) -> None:
 def validate_recipe_config(config: DictConfig) -> dict[str, Any]:
     """The recipe's rules; returns the batch plan. Every knob block of :data:`gtpo.methods.KNOBS` is parsed, also
     those of a method not selected: a typo in any knob fails here instead of being silently ignored."""
+    from gtpo.launch.value_checks import check_run_values
+
+    check_run_values(config)
     check_registries(config)
     knobs = {block: knob(config.algorithm, block) for block in KNOBS}
     if not config.trainer.get("use_v1", True):
@@ -412,25 +416,30 @@ def check_checkpoint_engine(config: DictConfig) -> None:
             ) from None
 
 
+class ResumeRefused(ValueError):
+    """The checkpoint a resume would load is refused before Ray starts: one line naming it and why."""
+
+
 def _refuse_unless_private(folder: str, what: str, inside: bool) -> None:
-    """``folder`` (and with ``inside`` every folder in it, no symlink) is writable by this user alone: verl loads
+    """:func:`gtpo.trainer.resume.loads.refuse_unless_private`, a refusal as :class:`ResumeRefused`: verl loads
     checkpoints with ``torch.load``, which runs code."""
-    from gtpo.private_files import check_private_dir
+    from gtpo.trainer.resume.loads import refuse_unless_private
 
     try:
-        check_private_dir(folder, what)
-        for top, dirs, _ in os.walk(folder) if inside else ():
-            for name in dirs:
-                check_private_dir(os.path.join(top, name), "a folder of the checkpoint")
-    except OSError as err:
-        raise RuntimeError(f"cannot resume: {err}") from None
+        refuse_unless_private(folder, what, inside)
+    except RuntimeError as err:
+        raise ResumeRefused(str(err)) from None
 
 
 def check_world_size_before_launch(config: Any, layout: Any) -> str | None:
     """The checkpoint a resume would load (the named one, or the tracker's when complete, else the newest complete
     one), refused when others could plant files in it, resharded to this world size or refused
-    (:func:`gtpo.trainer.resume.checkpoint_world_size.match_resume_world_size`; the trainer checks again a folder the
-    driver does not see). Returns the folder checked, or None."""
+    (:func:`gtpo.trainer.resume.checkpoint_world_size.match_resume_world_size`); the trainer checks again right before
+    its loads, and each worker before its own. Returns the folder checked, or None.
+
+    Raises:
+        ResumeRefused: one line naming the folder and why (a ``ValueError``: the entry point prints it, exit 2).
+    """
     from gtpo.trainer.resume.checkpoint_world_size import match_resume_world_size
     from gtpo.trainer.resume.checkpoints import incomplete_reasons, newest_complete, read_tracker
     from gtpo.trainer.resume.reshard import finish_interrupted_reshards
@@ -453,18 +462,24 @@ def check_world_size_before_launch(config: Any, layout: Any) -> str | None:
     if folder is None or not os.path.lexists(folder):
         return None
     _refuse_unless_private(folder, "trainer.resume_from_path" if mode == "resume_path" else "checkpoint", inside=True)
-    match_resume_world_size(folder, config, layout)
+    try:
+        match_resume_world_size(folder, config, layout)
+    except RuntimeError as err:  # the recipe's refusals of another world size, named
+        raise ResumeRefused(str(err)) from None
     return folder
 
 
 def prepare_launch(config: DictConfig, checked: Checked, environ: Mapping[str, str] | None = None) -> None:
-    """A real run's checks with side effects, after :func:`check_config`: the checkpoint engine, the checkpoint a
-    resume would load, then this run's record in the checkpoint folder when it will save there."""
+    """A real run's checks that read this machine, after :func:`check_config`: the checkpoint engine, the data
+    (:func:`gtpo.launch.data_checks.check_data`), the checkpoint a resume would load, then this run's record in the
+    checkpoint folder when it will save there."""
+    from gtpo.launch.data_checks import check_data
     from gtpo.launch.runs import run_identity, write_record
     from gtpo.trainer.resume.checkpoints import layout_of
 
     environ = os.environ if environ is None else environ
     check_checkpoint_engine(checked.config)
+    check_data(checked.config)
     async_mode = verl_mode(str(config.trainer.v1.trainer_mode)) != "sync"
     check_world_size_before_launch(config, layout_of(config, checked.use_critic, async_mode))
     run, trainer = run_identity(environ), checked.config.trainer

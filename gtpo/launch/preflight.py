@@ -11,7 +11,9 @@ run will meet, one line per check, stopping at the first failure (exit status 1)
    ``trainer.device=cpu``; the startup notes follow as ``note`` lines;
 2. ``overlong buffer``: with DAPO's soft overlong punishment on, ``0 < len < max_resp_len`` (else every token of
    every response is penalised);
-3. ``train data`` / ``val data``: every file exists, is a parquet file with rows and the ``data.prompt_key`` column;
+3. ``train data`` / ``val data``: every file as the driver checks it before Ray (:mod:`gtpo.launch.data_checks`):
+   a parquet file with rows, the columns verl reads, prompts of text within ``data.max_prompt_length`` tokens
+   where ``data.truncation=error``;
 4. ``run length``: ``trainer.total_epochs`` epochs of the training rows hold ``trainer.total_training_steps`` steps
    (verl stops at whichever comes first);
 5. ``model``: ``actor_rollout_ref.model.path`` is a local folder (not a hub id) with ``config.json``
@@ -58,9 +60,9 @@ from gtpo.launch.preflight_checks import (
     as_list,
     check_checkpoint_dir,
     check_config,
+    check_data_files,
     check_model,
     check_overlong,
-    check_parquet,
     check_run_length,
     check_trackers,
     log_dir_warnings,
@@ -113,11 +115,9 @@ def run_preflight(cfg: DictConfig, cluster: Any, env: dict[str, str] | None = No
         resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
         for note in startup_notes(resolved):
             print(f"[preflight] note {note}", file=out, flush=True)
-        prompt_key = str(resolved.data.get("prompt_key", "prompt"))
         check("overlong buffer", lambda: check_overlong(resolved))
         for item, key in (("train data", "data.train_files"), ("val data", "data.val_files")):
-            files = as_list(OmegaConf.select(resolved, key))
-            check(item, lambda item=item, key=key, files=files: check_parquet(item, key, files, prompt_key))
+            check(item, lambda item=item, key=key: check_data_files(item, key, resolved))
         train_rows = parquet_rows(as_list(resolved.data.train_files))
         check("run length", lambda: check_run_length(resolved, train_rows))
         check("model", lambda: check_model(resolved))

@@ -21,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from gtpo.private_files import check_private_dir
 
 __all__ = ["PreflightError", "as_list", "check_checkpoint_dir", "check_config", "check_model", "check_overlong",
-           "check_parquet", "check_run_length", "check_trackers", "log_dir_warnings", "parquet_rows",
-           "weights_problem"]  # fmt: skip
+           "check_data_files", "check_run_length", "check_trackers", "log_dir_warnings",
+           "parquet_rows", "weights_problem"]  # fmt: skip
 
 
 class PreflightError(Exception):
@@ -102,24 +102,18 @@ def check_run_length(cfg: DictConfig, rows: int) -> str:
     return f"trainer.total_training_steps={steps} ({per_epoch} steps per epoch, total_epochs={epochs})"
 
 
-def check_parquet(item: str, key: str, files: list[str], prompt_key: str) -> str:
-    import pyarrow.parquet as pq
+def check_data_files(item: str, key: str, cfg: DictConfig) -> str:
+    """Every file of ``key`` as the driver checks it before Ray (:func:`gtpo.launch.data_checks.check_data_file`)."""
+    from gtpo.launch.data_checks import DataError, check_data_file, prompt_tokenizer
 
+    files = as_list(OmegaConf.select(cfg, key))
     if not files:
         raise PreflightError(item, f"{key} is empty")
-    rows = 0
-    for path in files:
-        if not Path(path).is_file():
-            raise PreflightError(item, f"{key}: {path} does not exist on this node")
-        try:
-            parquet = pq.ParquetFile(path)
-        except Exception as err:  # pyarrow raises ArrowInvalid, OSError, ...
-            raise PreflightError(item, f"{key}: {path} is not a readable parquet file ({err})") from None
-        if prompt_key not in parquet.schema_arrow.names:
-            raise PreflightError(item, f"{key}: {path} has no column data.prompt_key={prompt_key!r}")
-        if parquet.metadata.num_rows == 0:
-            raise PreflightError(item, f"{key}: {path} has no rows")
-        rows += parquet.metadata.num_rows
+    try:
+        tokenizer = prompt_tokenizer(cfg)
+        rows = sum(check_data_file(path, key, cfg, tokenizer) for path in files)
+    except DataError as err:
+        raise PreflightError(item, str(err)) from None
     return f"{len(files)} file(s), {rows} rows"
 
 

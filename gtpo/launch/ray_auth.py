@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
+
+from gtpo.private_files import token_file_problem
 
 __all__ = ["joins_running_cluster", "ray_auth_problem", "check_ray_auth"]
 
@@ -31,8 +32,9 @@ def joins_running_cluster(environ: Mapping[str, str]) -> bool:
 def ray_auth_problem(environ: Mapping[str, str] | None = None) -> str | None:
     """What keeps a process with ``environ`` from authenticating to the cluster ``RAY_ADDRESS`` names, or None.
 
-    Nothing to say for a new local cluster (Ray turns its token on itself). For a running one: ``RAY_AUTH_MODE``
-    must be ``token`` (with ``RAY_AUTH_TOKEN_PATH`` naming a readable file, or ``RAY_AUTH_TOKEN``) or an explicit
+    Nothing to say for a new local cluster (the entry point gives it a private token, :mod:`gtpo.launch.local_ray`).
+    For a running one: ``RAY_AUTH_MODE`` must be ``token`` (with ``RAY_AUTH_TOKEN_PATH`` naming a file of this user's
+    that nobody else may read, :func:`gtpo.private_files.token_file_problem`, or ``RAY_AUTH_TOKEN``) or an explicit
     ``disabled``.
     """
     environ = os.environ if environ is None else environ
@@ -57,8 +59,9 @@ def ray_auth_problem(environ: Mapping[str, str] | None = None) -> str | None:
     path = environ.get("RAY_AUTH_TOKEN_PATH")
     if not path:
         return f"RAY_AUTH_MODE=token but RAY_AUTH_TOKEN_PATH is unset (RAY_ADDRESS={address}); {hint}"
-    if not os.access(path, os.R_OK) or not Path(path).is_file():
-        return f"RAY_AUTH_TOKEN_PATH={path}: no readable token file here (RAY_ADDRESS={address}); {hint}"
+    problem = token_file_problem(path)  # a folder, another user's file, one others may read
+    if problem:
+        return f"{problem} (RAY_ADDRESS={address}); {hint}"
     return None
 
 

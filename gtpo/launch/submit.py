@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 
 import yaml
 
-from gtpo.private_files import looks_secret
+from gtpo.private_files import looks_secret, token_file_problem
 
 __all__ = ["LaunchError", "check_paths", "cluster_reason", "run_here", "submit_job", "submit_mode"]
 
@@ -104,7 +104,8 @@ def run_here(command: Sequence[str], environ: Mapping[str, str], replace: bool) 
 
 def check_job_auth(environ: Mapping[str, str]) -> dict[str, str]:
     """``ray job submit`` authenticates with the cluster's Ray token: ``RAY_AUTH_MODE=token`` (set here when unset)
-    and the token's file in ``RAY_AUTH_TOKEN_PATH`` (a path, never the value); ``disabled`` submits without it."""
+    and the token's file in ``RAY_AUTH_TOKEN_PATH`` (a path, never the value; a file of this user's that nobody else
+    may read); ``disabled`` submits without it."""
     mode = environ.get("RAY_AUTH_MODE") or "token"
     if mode == "disabled":
         print(
@@ -123,8 +124,9 @@ def check_job_auth(environ: Mapping[str, str]) -> dict[str, str]:
             "under RAY_AUTH_DIR, a RayJob's is in its Secret), or RAY_AUTH_MODE=disabled for a cluster started "
             "without authentication"
         )
-    if not os.path.isfile(path) or not os.access(path, os.R_OK):
-        raise LaunchError(f"RAY_AUTH_TOKEN_PATH={path}: not a readable file")
+    problem = token_file_problem(path)  # a folder, another user's file, one others may read
+    if problem:
+        raise LaunchError(problem)
     return {"RAY_AUTH_MODE": "token"}
 
 

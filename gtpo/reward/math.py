@@ -16,9 +16,10 @@ it) and ``grade_status``: ``ok`` (verdict reached), ``no_answer`` (no box / Answ
 gold over ``MAX_ANSWER_CHARS``), ``unclosed`` (last box never closes), ``parse_error`` (answer does not parse),
 ``gold_error`` (gold does not parse), ``timeout`` (hard or soft time limit hit), ``busy`` (no worker free in time),
 ``error`` (worker crashed), ``memory`` (the grading worker went over its memory ceiling and was replaced).
-Everything but ``ok``-and-equivalent scores as incorrect. Grading never raises and never hangs: each call ends
-within ``timeout_s`` (default 10 s) of reaching a worker, in a worker process with a memory ceiling (see
-``gtpo.reward.pool``).
+Everything but ``ok``-and-equivalent scores as incorrect. Grading never raises and never hangs: a response's
+grading ends within ``timeout_s`` (default 10 s) of reaching a worker, whatever its number of golds (each gold's
+call gets what is left; once it is spent the verdict is ``timeout``), in a worker process with a memory ceiling
+(see ``gtpo.reward.pool``).
 
 Extraction (``extraction=...``):
 
@@ -32,10 +33,10 @@ Extraction (``extraction=...``):
   extraction alone does on some of strict's answers (``\\boxed{50\\%}`` parses to no number there, while strict
   strips the percent sign; ``Answer: \\$50`` matches none of its patterns). ``pred`` is the strict answer when that
   decided, else math-verify's matched text. Same pool, same memory ceiling, same never-raises guarantee; a lenient
-  call makes at most two worker calls (the strict answer, then the response), each bounded by ``timeout_s``.
+  call makes at most two worker calls per gold (the strict answer, then the response), all within ``timeout_s``.
 
 Options (kwargs, i.e. ``reward_kwargs``; ``score_mode`` may also come per row from ``extra_info["score_mode"]``):
-``score_mode`` ("pm1" | "binary"), ``extraction`` ("strict" | "lenient"), ``timeout_s`` (float seconds per call),
+``score_mode`` ("pm1" | "binary"), ``extraction`` ("strict" | "lenient"), ``timeout_s`` (float seconds per response),
 ``num_workers`` (pool size at first use; env ``GTPO_REWARD_WORKERS``); the memory ceiling per worker comes from
 env ``GTPO_REWARD_MEMORY_MB``. Unknown kwargs (e.g. verl's ``reward_router_address``) are ignored.
 """
@@ -46,6 +47,7 @@ import asyncio
 import hashlib
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -162,12 +164,17 @@ def _prepare_lenient(solution_str: Any, ground_truth: Any) -> tuple[str, str, li
     return text, status, golds
 
 
-def _grade_cached(grade_fn, gold: str, text: str, key: tuple) -> tuple:
+def _grade_cached(grade_fn, gold: str, text: str, key: tuple, deadline: float | None, lenient: bool) -> tuple:
+    """``grade_fn(gold, text, seconds)`` or its cached verdict; ``seconds`` is what is left of the response's budget
+    (``deadline``, a ``time.monotonic()``; None: no bound here). Nothing left: a ``timeout`` verdict, no call."""
     with _CACHE_LOCK:
         hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    verdict = grade_fn(gold, text)
+    seconds = None if deadline is None else deadline - time.monotonic()
+    if seconds is not None and seconds <= 0:
+        return (False, "timeout", "") if lenient else (False, "timeout")
+    verdict = grade_fn(gold, text, seconds)
     if verdict[1] in _CACHEABLE:
         with _CACHE_LOCK:
             if len(_CACHE) >= _CACHE_MAX:
@@ -176,39 +183,60 @@ def _grade_cached(grade_fn, gold: str, text: str, key: tuple) -> tuple:
     return verdict
 
 
-def _grade_any(grade_fn, golds: list[str], text: str, lenient: bool = False) -> tuple:
+def _grade_any(grade_fn, golds: list[str], text: str, lenient: bool = False, deadline: float | None = None) -> tuple:
     """``(True, "ok", ...)`` if ``text`` matches any gold; the verdict of the last attempt otherwise.
 
-    ``grade_fn(gold, text)`` returns ``(acc, status)`` (strict: ``text`` is the extracted answer) or ``(acc,
-    status, pred)`` (lenient: ``text`` is the response, keyed in the cache by its digest).
+    ``grade_fn(gold, text, seconds)`` returns ``(acc, status)`` (strict: ``text`` is the extracted answer) or ``(acc,
+    status, pred)`` (lenient: ``text`` is the response, keyed in the cache by its digest). Every gold shares the
+    response's ``deadline``: once it has passed the verdict is ``timeout`` and no further gold is tried.
     """
     verdict: tuple = (False, "gold_error", "") if lenient else (False, "gold_error")
     digest = hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=16).digest() if lenient else None
     for gold in golds:
         if not gold:
             continue
-        verdict = _grade_cached(grade_fn, gold, text, (gold, "lenient", digest) if lenient else (gold, text))
+        key = (gold, "lenient", digest) if lenient else (gold, text)
+        verdict = _grade_cached(grade_fn, gold, text, key, deadline, lenient)
         if verdict[0]:
             return (True, "ok", *verdict[2:])
+        if verdict[1] == "timeout" and deadline is not None:
+            break  # the call had what was left of the response's time
     return verdict
 
 
-def _score_one(solution_str: Any, ground_truth: Any, scores, extraction: str, grade_answer, grade_response) -> dict:
-    """One result dict; ``grade_answer(gold, pred)`` / ``grade_response(gold, response)`` grade a pair.
+def _score_one(
+    solution_str: Any, ground_truth: Any, scores, extraction: str, grade_answer, grade_response,
+    budget_s: float | None = None,
+) -> dict:  # fmt: skip
+    """One result dict; ``grade_answer(gold, pred, seconds)`` / ``grade_response(gold, response, seconds)`` grade a
+    pair. ``budget_s`` bounds the whole response: every gold, the strict and the lenient pass together.
 
     Lenient grading starts with the strict verdict, so it is never worse than strict on any response.
     """
+    deadline = None if budget_s is None else time.monotonic() + budget_s
     pred, status, golds = _prepare(solution_str, ground_truth)
     acc = False
     if status == "ok":
-        acc, status = _grade_any(grade_answer, golds, pred)
+        acc, status = _grade_any(grade_answer, golds, pred, deadline=deadline)
     if extraction == "strict" or acc:
         return _result(acc, pred, status, scores)
     text, status, golds = _prepare_lenient(solution_str, ground_truth)
     if status != "ok":
         return _result(False, None, status, scores)
-    acc, status, pred = _grade_any(grade_response, golds, text, lenient=True)
+    acc, status, pred = _grade_any(grade_response, golds, text, lenient=True, deadline=deadline)
     return _result(acc, pred, status, scores)
+
+
+def _pool_graders(pool) -> tuple:
+    """The pool's two grading calls as ``(gold, text, seconds)`` functions."""
+
+    def grade_answer(gold: str, pred: str, seconds: float) -> tuple:
+        return pool.grade(gold, pred, timeout_s=seconds)
+
+    def grade_response(gold: str, response: str, seconds: float) -> tuple:
+        return pool.grade_response(gold, response, timeout_s=seconds)
+
+    return grade_answer, grade_response
 
 
 def compute_score(
@@ -229,14 +257,7 @@ def compute_score(
     timeout_s = _resolve_timeout(kwargs)
     try:
         pool = get_pool(kwargs.get("num_workers"))
-        return _score_one(
-            solution_str,
-            ground_truth,
-            scores,
-            extraction,
-            partial(pool.grade, timeout_s=timeout_s),
-            partial(pool.grade_response, timeout_s=timeout_s),
-        )
+        return _score_one(solution_str, ground_truth, scores, extraction, *_pool_graders(pool), timeout_s)
     except Exception:  # noqa: BLE001 - a reward must never take the training step down
         return _result(False, None, "error", scores)
 
@@ -291,8 +312,8 @@ def compute_score_inline(
             ground_truth,
             scores,
             extraction,
-            partial(grade_pair, parse_timeout=soft, verify_timeout=soft),
-            partial(grade_response, parse_timeout=soft, verify_timeout=soft),
+            lambda gold, pred, _: grade_pair(gold, pred, parse_timeout=soft, verify_timeout=soft),
+            lambda gold, text, _: grade_response(gold, text, parse_timeout=soft, verify_timeout=soft),
         )
     except Exception:  # noqa: BLE001
         return _result(False, None, "error", scores)
@@ -330,13 +351,12 @@ def compute_scores_batch(
     pool = get_pool(n_workers)
     pool.max_workers = max(pool.max_workers, n_workers)
 
-    grade_answer = partial(pool.grade, timeout_s=timeout_s)
-    grade_response = partial(pool.grade_response, timeout_s=timeout_s)
+    grade_answer, grade_response = _pool_graders(pool)
 
     def run(i: int) -> dict:
         try:
             return _score_one(
-                solution_strs[i], ground_truths[i], all_scores[i], extraction, grade_answer, grade_response
+                solution_strs[i], ground_truths[i], all_scores[i], extraction, grade_answer, grade_response, timeout_s
             )
         except Exception:  # noqa: BLE001
             return _result(False, None, "error", all_scores[i])

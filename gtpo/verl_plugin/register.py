@@ -13,7 +13,9 @@ What gets registered: each row of :data:`gtpo.methods.METHODS` with a recipe est
 of :mod:`gtpo.verl_plugin.estimators`; the trainer modes ``gtpo_sync``, ``gtpo_colocate_async`` and
 ``gtpo_separate_async`` (``trainer.v1.trainer_mode``) are registered by :mod:`gtpo.trainer.modes` on import, and the
 tool-call parser ``gtpo_hermes`` (``multi_turn.format``) by :mod:`gtpo.tools.hermes`. A row added later
-(:func:`register_method`: a test's toy method) is registered the same way.
+(:func:`register_method`: a test's toy method) is registered the same way. verl's checkpoint loads are wrapped to check
+the files first (:mod:`gtpo.verl_plugin.checkpoint_loads`); a vLLM server started in the process gets a key nobody
+knows when the run asks for it (:mod:`gtpo.verl_plugin.vllm_http`).
 
 Importing twice is harmless: verl's ``register_adv_est`` and ``register_policy_loss`` reject only a *different*
 function under a taken name, and each row's function is built once.
@@ -31,6 +33,7 @@ from verl.trainer.ppo.core_algos import (
 from gtpo import methods
 from gtpo.tools import hermes  # noqa: F401 - importing it registers the gtpo_hermes tool-call parser into verl
 from gtpo.trainer import mode_names, modes  # noqa: F401 - importing modes registers the trainer modes into verl
+from gtpo.verl_plugin import checkpoint_loads, vllm_http
 from gtpo.verl_plugin.estimators import VerlEstimator, verl_policy_loss
 
 __all__ = ["ESTIMATORS", "TRAINER_MODES", "register_method"]
@@ -50,5 +53,10 @@ def register_method(method: methods.Method) -> methods.Method:
 
 for _row in tuple(methods.METHODS.values()):
     register_method(_row)
+
+# verl's workers check the checkpoint files they load, in their own process
+checkpoint_loads.install()
+# a vLLM server started in this process answers its OpenAI API to nobody (the run asked for it)
+vllm_http.lock_api()
 
 ESTIMATORS = tuple(sorted(row.adv_estimator for row in methods.METHODS.values() if row.advantages is not None))

@@ -4,10 +4,12 @@
     DRY_RUN=1 python -m recipe.gtpo.main_gtpo ...   # resolve + validate + print, no Ray, no GPU
 
 Compared with ``verl.trainer.main_ppo`` this entry point (1) runs every check before Ray starts
-(:mod:`gtpo.launch.checks`), (2) puts ``gtpo.verl_plugin.register`` into ``VERL_USE_EXTERNAL_MODULES`` of the Ray
+(:mod:`gtpo.launch.checks`) and, naming no cluster, starts a private one of its own (:mod:`gtpo.launch.local_ray`),
+(2) puts ``gtpo.verl_plugin.register`` into ``VERL_USE_EXTERNAL_MODULES`` of the Ray
 runtime env, so multi-node workers that do not inherit the driver's shell still register the estimators, losses and
 trainer mode, and copies the driver's log folders (:data:`LOG_DIR_VARS`) there too, so the TaskRunner writes its
-logs where the launcher put them, and (3) runs a TaskRunner that imports the plugin itself before building the
+logs where the launcher put them, and closes vLLM's HTTP API to what verl does not use
+(:mod:`gtpo.verl_plugin.vllm_http`), and (3) runs a TaskRunner that imports the plugin itself before building the
 trainer.
 """
 
@@ -16,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import sys
 
 import hydra
@@ -26,6 +27,7 @@ from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
 from verl.utils.device import auto_set_device
 
 from gtpo.launch.launcher import PLUGIN_MODULE
+from gtpo.launch.local_ray import start_private_local_ray
 from gtpo.launch.submit import LOG_DIR_VARS
 from gtpo.methods import knob
 from gtpo.trainer.guard.watchdog import EXIT_CODE as STALLED_EXIT
@@ -40,8 +42,6 @@ from gtpo.verl_plugin.config import merge_module_list
 CONFIG_ERROR_EXIT = 2
 # The job's end for algorithm.preemption.deadline=auto, read by the trainer wherever the TaskRunner runs.
 DEADLINE_VARS = ("SLURM_JOB_ID", "SLURM_JOB_END_TIME")
-# Seconds the driver waits for the GCS port of the cluster Ray recorded last (a live one answers at once).
-RECORDED_CLUSTER_PROBE_S = 2.0
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,16 @@ def forward_log_dirs(config: DictConfig) -> None:
                 env_vars[name] = os.environ[name]
 
 
+def narrow_vllm_http(config: DictConfig) -> None:
+    """Put :func:`gtpo.verl_plugin.vllm_http.runtime_env_vars` into the Ray runtime env: no LoRA adapter loaded over
+    vLLM's HTTP API, and that API closed to everyone unless a reward model served by vLLM needs it."""
+    from gtpo.verl_plugin.vllm_http import runtime_env_vars
+
+    env_vars = _runtime_env_vars(config)
+    with open_dict(config):
+        env_vars.update(runtime_env_vars(config, env_vars))
+
+
 class GTPOTaskRunner(TaskRunnerV1.__ray_actor_class__):
     """verl's v1 TaskRunner, importing the plugin first so ``gtpo_sync`` and the estimators exist in this actor."""
 
@@ -91,48 +101,11 @@ class GTPOTaskRunner(TaskRunnerV1.__ray_actor_class__):
         return super().run(config)
 
 
-def skip_dead_recorded_cluster(config: DictConfig) -> str | None:
-    """``RAY_ADDRESS=local`` when nothing names a cluster and the one Ray recorded last does not answer.
-
-    ``ray.init()`` without an address joins the cluster recorded in ``<ray temp dir>/ray_current_cluster`` by the
-    last ``ray start`` on this node. One that died without ``ray stop`` (a kill -9, a reboot that kept /tmp) stays
-    recorded, and verl's ``ray.init`` then fails on its GCS (at once with ``ray_init.num_cpus`` set, naming num_cpus).
-    A recorded cluster whose GCS port accepts a connection is still joined. Returns the line printed, or None.
-    """
-    # Ray's own reading of the recorded address, as ray.init() reads it (a private function: tests/test_seams.py)
-    from ray._private.services import canonicalize_bootstrap_address
-
-    ray_init = config.ray_kwargs.get("ray_init") or {}
-    if os.environ.get("RAY_ADDRESS", "").strip() or ray_init.get("address") is not None:
-        return None
-    try:
-        recorded = canonicalize_bootstrap_address(None, ray_init.get("_temp_dir"))
-    except ValueError as err:  # a garbled record, which ray.init() refuses the same way
-        recorded = str(err)
-    else:
-        if recorded is None:
-            return None
-        host, _, port = recorded.rpartition(":")  # "<host>:<port>", an IPv6 host in brackets
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=RECORDED_CLUSTER_PROBE_S):
-                return None
-        except OSError:
-            pass
-    os.environ["RAY_ADDRESS"] = "local"
-    line = (
-        f"gtpo: the Ray cluster recorded last on this node ({recorded}) does not answer: starting a new local Ray "
-        "(RAY_ADDRESS=local); set RAY_ADDRESS to join a running cluster"
-    )
-    print(line, file=sys.stderr, flush=True)
-    return line
-
-
 def prepare_config(config: DictConfig, dry_run: bool = False):
     """Everything that must pass before Ray starts (:func:`gtpo.launch.checks.check_config`, once), then the plugin
     env and the log folders; returns what the checks found, which the dry run prints.
 
-    A real run (``dry_run=False``) also starts a new local Ray instead of joining a dead recorded cluster
-    (:func:`skip_dead_recorded_cluster`), checks that a driver joining a running cluster carries its Ray token, runs
+    A real run (``dry_run=False``) also checks that a driver joining a running cluster carries its Ray token, runs
     :func:`gtpo.launch.checks.prepare_launch` (the checkpoint engine's transport, the checkpoint a resume loads, the
     run's record in its folder) and logs the startup notes; the dry run prints those itself.
     """
@@ -144,12 +117,12 @@ def prepare_config(config: DictConfig, dry_run: bool = False):
     forward_log_dirs(config)  # before the checks: the dry run prints the config they resolved
     checked = check_config(config)
     if not dry_run:
-        skip_dead_recorded_cluster(config)
         check_ray_auth()
         prepare_launch(config, checked)
         for note in startup_notes(checked.config):
             logger.warning("gtpo: %s", note)
     add_plugin_to_runtime_env(config)
+    narrow_vllm_http(config)
     return checked
 
 
@@ -177,7 +150,7 @@ def run_recipe(config: DictConfig) -> None:
         sys.exit(CONFIG_ERROR_EXIT)
     if dry_run:
         return
-    sys.exit(run_preemptible(config))
+    sys.exit(train(config))
 
 
 def main() -> None:
@@ -223,6 +196,13 @@ class HandlersAfterRayInit:
     def remote(self, *args, **kwargs):
         self.relay.install()
         return self.actor_class.remote(*args, **kwargs)
+
+
+def train(config: DictConfig) -> int:
+    """A checked config's run: a private local Ray of its own when it names no cluster (never the one a file in
+    ``<tmp>/ray`` records: :mod:`gtpo.launch.local_ray`), then verl's trainer (:func:`run_preemptible`)."""
+    start_private_local_ray(config.ray_kwargs.get("ray_init") or {})
+    return run_preemptible(config)
 
 
 def run_preemptible(config: DictConfig) -> int:

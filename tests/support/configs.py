@@ -22,3 +22,20 @@ def compose(overrides: list[str]):
             return hydra_compose(config_name="gtpo_trainer", overrides=overrides)
     finally:
         os.chdir(old_cwd)
+
+
+def data_overrides(folder: Path) -> list[str]:
+    """``data.train_files`` / ``data.val_files`` of a tiny dataset in ``folder`` that the driver's data checks accept
+    (gtpo/launch/data_checks.py): what a real run's ``prepare_config`` reads before Ray starts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = {
+        "data_source": ["toy"] * 4,
+        "prompt": [[{"role": "user", "content": f"say {i}"}] for i in range(4)],
+        "reward_model": [{"style": "rule", "ground_truth": str(i)} for i in range(4)],
+    }
+    for name in ("train", "val"):
+        pq.write_table(pa.table(rows), folder / f"{name}.parquet")
+    return [f"data.train_files={folder / 'train.parquet'}", f"data.val_files={folder / 'val.parquet'}"]

@@ -135,14 +135,16 @@ def _read_json(path: str) -> dict | None:
 def _checkpoint_is_lora(role_dir: str, world_size: int) -> bool:
     """Whether verl saved only the adapter (``save_lora_only``: every model key a ``lora_`` / ``.adapter_`` one) or
     a model with adapters: any such key in rank 0's model file (memory-mapped, nothing read but the keys)."""
-    import torch
+    from gtpo.trainer.resume.loads import load_checkpoint_file
 
     path = os.path.join(role_dir, shard_name("model", world_size, 0))
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return False
     try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as err:  # a truncated or foreign file: named, before any worker tries it
+        state = load_checkpoint_file(path, "a shard file")
+    except PermissionError as err:  # others could have written it: refused before anything is read
+        raise RuntimeError(str(err)) from None
+    except Exception as err:  # a truncated or foreign file, or one holding more than data: named, before any worker
         raise RuntimeError(f"{path} cannot be read as a torch.save file ({type(err).__name__}: {err})") from None
     return isinstance(state, dict) and any("lora_" in str(key) or ".adapter_" in str(key) for key in state)
 

@@ -6,6 +6,7 @@ import os
 
 from gtpo.trainer.resume import checkpoint_state, checkpoints
 from gtpo.trainer.resume.checkpoint_world_size import discard_other_world_sizes, match_resume_world_size, run_world_size
+from gtpo.trainer.resume.loads import refuse_unless_private
 from gtpo.trainer.resume.reshard import finish_interrupted_reshards
 
 __all__ = ["ResumeHooks"]
@@ -20,7 +21,9 @@ class ResumeHooks:
       would mark the half-written save complete, shards of another world size), then keeps
       ``trainer.max_actor_ckpt_to_keep`` checkpoints on disk counting earlier attempts' (:mod:`.checkpoints`);
     * ``_load_checkpoint``: ``resume_mode=auto`` resolved to the newest complete checkpoint before verl's own lookup,
-      a checkpoint of another world size resharded (or refused) before any worker loads
+      the checkpoint refused if others could have written into it (:func:`.loads.refuse_unless_private`, again right
+      before verl's loads in this process; each worker checks its role folder itself, seam
+      ``checkpoint-load-check``), a checkpoint of another world size resharded (or refused) before any worker loads
       (:mod:`.checkpoint_world_size`), then the recipe's state restored.
 
     The tracker file, verl's lookup and the pruned folders are the seam ``resume-tracker`` (docs/architecture.md).
@@ -52,14 +55,21 @@ class ResumeHooks:
         trainer_cfg = self.config.trainer
         resolved = None
         if trainer_cfg.resume_mode == "auto":
+            root = trainer_cfg.default_local_dir
+            if os.path.lexists(root):  # before anything in it is read or renamed
+                refuse_unless_private(root, "trainer.default_local_dir", inside=False)
             # Before verl's own lookup, which fails on an empty tracker and trusts a half-written folder.
-            finish_interrupted_reshards(trainer_cfg.default_local_dir)
-            resolved = checkpoints.resolve_auto_resume(trainer_cfg.default_local_dir, self._checkpoint_layout())
+            finish_interrupted_reshards(root)
+            resolved = checkpoints.resolve_auto_resume(root, self._checkpoint_layout())
         elif trainer_cfg.resume_mode == "resume_path" and isinstance(trainer_cfg.resume_from_path, str):
             resolved = os.path.abspath(trainer_cfg.resume_from_path)  # as verl resolves it
         if resolved is not None:
+            # Again here: the driver's check was minutes ago (a folder may have been swapped since), or never (a
+            # folder the driver does not see).
+            refuse_unless_private(resolved)
             # Before any worker loads: at another world size each one would fail on a shard file that does not exist.
             match_resume_world_size(resolved, self.config, self._checkpoint_layout())
+            refuse_unless_private(resolved)  # right before verl's loads here (data.pt, transfer_queue/)
         super()._load_checkpoint()
         if self.global_steps > 0:
             folder = self._resumed_checkpoint_folder(resolved)

@@ -7,7 +7,10 @@
 are described there) into ``<role>.reshard`` beside it, then swaps it in with two renames, so a run killed at any
 instant leaves the original loadable (:func:`finish_interrupted_reshards`, run by every resume, puts it back);
 ``--out`` writes a resharded copy of the whole checkpoint folder instead. The resume calls it when a checkpoint's
-world size differs from the run's (:mod:`gtpo.trainer.resume.checkpoint_world_size`).
+world size differs from the run's (:mod:`gtpo.trainer.resume.checkpoint_world_size`). Nothing is read or renamed in
+a checkpoint that others could have written into (a symlink, a file or folder of another user's or writable by group
+or others), and every shard is read as data only (:mod:`gtpo.trainer.resume.loads`); the command writes under
+``umask 077``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import re
 import shutil
 import sys
 
+from gtpo.private_files import check_private_tree
 from gtpo.trainer.resume.checkpoints import ROLE_DIRS
 from gtpo.trainer.resume.reshard_shards import ReshardRefused, fsync, reshard_role, world_size_of
 
@@ -70,8 +74,17 @@ def finish_interrupted_reshards(root_or_folder: str) -> list[str]:
 def reshard_checkpoint(folder: str, world_size_to: int, out: str | None = None) -> dict[str, int]:
     """Reshard every role of the checkpoint ``folder`` (``global_step_<N>``) to ``world_size_to`` ranks: in place
     (each role copied beside, then swapped in), or into a copy of the whole folder at ``out``. Roles already at that
-    size are left as they are. Returns ``{role: old world size}`` of the roles resharded."""
+    size are left as they are. Returns ``{role: old world size}`` of the roles resharded.
+
+    Raises:
+        ReshardRefused: a folder or file in ``folder`` others could have written
+            (:func:`gtpo.private_files.check_private_tree`), or a format it does not understand.
+    """
     folder = os.path.abspath(folder)
+    try:  # before anything in it is renamed or read: torch.load of a file others wrote runs their code
+        check_private_tree(folder, "the checkpoint")
+    except OSError as err:
+        raise ReshardRefused(str(err)) from None
     finish_interrupted_reshards(folder)
     named = re.fullmatch(r"global_step_(\d+)", os.path.basename(folder))
     step = int(named.group(1)) if named else 0  # seeds the RNG of ranks beyond the old ones
@@ -117,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, required=True, help="the new run's trainer.nnodes x n_gpus_per_node")
     parser.add_argument("--out", default=None, help="write a resharded copy here instead of rewriting --from")
     args = parser.parse_args(argv)
+    os.umask(0o077)  # the resharded files and --out are the user's alone, as the launchers' checkpoints are
     if args.world_size < 1:
         parser.error(f"--world-size {args.world_size}: must be >= 1")
     if not os.path.isdir(args.folder):

@@ -21,8 +21,9 @@ Resharding writes the same state for ``W'`` ranks:
   its accelerator generator as a fresh worker seeds it (verl restores the accelerator's state only when the file
   holds one). Training reads no random numbers on the actor ranks of the recipe's presets (no dropout).
 
-**Memory.** Nothing is held whole. The ``W`` old files are opened with ``torch.load(mmap=True)`` (their tensors are
-views of the files, paged in as rows are read and dropped by the kernel under pressure). Each new file is first
+**Memory.** Nothing is held whole. The ``W`` old files are opened with ``torch.load(mmap=True)``, each checked right
+before and read as data only (:mod:`gtpo.trainer.resume.loads`); their tensors are views of the files, paged in as
+rows are read and dropped by the kernel under pressure. Each new file is first
 written as a skeleton (``torch.serialization.skip_data``: its layout with the tensor bytes left empty, from
 ``torch.empty`` locals that are never touched), then opened with ``mmap=True`` and ``MAP_SHARED``, and each tensor's
 rows are copied from the old mapped rows into the new mapped rows, one tensor at a time. The process allocates no
@@ -56,6 +57,7 @@ import threading
 from typing import Any
 
 from gtpo.trainer.resume.checkpoints import SHARD_KINDS, role_world_size, shard_files, shard_name
+from gtpo.trainer.resume.loads import load_checkpoint_file
 
 __all__ = ["FSDP_CONFIG", "WRITEBACK_BYTES", "ReshardRefused", "fsync", "reshard_role", "shard_names_of",
            "world_size_of"]  # fmt: skip
@@ -343,11 +345,12 @@ def _libc() -> Any:
 
 
 def _load_mapped(path: str) -> Any:
-    import torch
-
+    """``path`` memory-mapped, checked and read as data only (:func:`.loads.load_checkpoint_file`)."""
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as err:  # a truncated or foreign file: name it
+        return load_checkpoint_file(path, "a shard file")
+    except PermissionError as err:  # others could have written it: refused before anything is read
+        raise ReshardRefused(str(err)) from None
+    except Exception as err:  # a truncated or foreign file, or one holding more than data: name it
         raise ReshardRefused(f"{path}: cannot be read as a torch.save file ({type(err).__name__}: {err})") from None
 
 
@@ -377,7 +380,7 @@ def _reshard_sharded_kind(src: str, dst: str, kind: str, world_size_from: int, w
         with torch.serialization.skip_data():
             torch.save(_skeleton(olds[0], {}, world_size_to, rank), path)
         with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
-            new = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            new = load_checkpoint_file(path, "a new shard file")
         written = _WriteBack(path)
         try:
             _fill(new, olds, world_size_from, world_size_to, rank, written)

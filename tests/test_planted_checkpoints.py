@@ -1,0 +1,310 @@
+"""A file planted in a checkpoint never runs: every file the recipe or verl loads from a checkpoint is checked right
+before the load, in the process that loads it (the driver before Ray starts, the trainer before verl's
+``_load_checkpoint``, each worker before its ``FSDPCheckpointManager.load_checkpoint``, the reshard command), and the
+recipe's own loads read data only (``torch.load(weights_only=True)``).
+
+    .venv/bin/python -m pytest -q -n 0 tests/test_planted_checkpoints.py
+
+A *payload* is a ``torch.save`` file whose unpickling creates a marker file (what a planted pickle could do with
+any code): each test shows that the payload is live (verl's own load, unguarded, runs it) and that the guarded path
+refuses before it runs, naming the file, the marker absent. "Another user" is uid 65534 (needs root for ``chown``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from gtpo.launch.checks import ResumeRefused, check_world_size_before_launch
+from gtpo.trainer.resume.checkpoints import CheckpointLayout
+from tests.support.checkpoints import make_trainer, save
+
+NOBODY = 65534
+
+
+class Payload:
+    """Unpickled, creates ``marker``: code a planted checkpoint file runs under ``torch.load(weights_only=False)``."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def write_payload(path: Path, marker: Path) -> Path:
+    torch.save({"state": Payload(marker)}, path)
+    return path
+
+
+def need_root() -> None:
+    if os.getuid() != 0:
+        pytest.skip("giving a file to another uid needs root")
+
+
+def grant_write_acl(path: Path, uid: int) -> None:
+    """A POSIX access ACL ``user:<uid>:rw-`` with mask ``rw-`` on ``path`` (what ``setfacl -m u:<uid>:rw`` sets)."""
+    owner = (stat.S_IMODE(os.stat(path).st_mode) >> 6) & 7
+    entries = [(0x01, owner, 0xFFFFFFFF), (0x02, 6, uid), (0x04, 0, 0xFFFFFFFF), (0x10, 6, 0xFFFFFFFF),
+               (0x20, 0, 0xFFFFFFFF)]  # fmt: skip
+    value = struct.pack("<I", 2) + b"".join(
+        struct.pack("<HHI", tag, perm, qualifier) for tag, perm, qualifier in entries
+    )
+    try:
+        os.setxattr(path, "system.posix_acl_access", value)
+    except OSError as err:
+        pytest.skip(f"no POSIX ACLs on this filesystem ({err.strerror})")
+
+
+def plant_symlinked_data(step: Path, marker: Path) -> tuple[Path, str]:
+    """``data.pt`` a symlink to a 0666 file of another user's in a shared sticky folder (review row 37)."""
+    need_root()
+    shared = step.parents[2] / "shared"
+    shared.mkdir(mode=0o1777, exist_ok=True)
+    target = write_payload(shared / "data.pt", marker)
+    os.chown(target, NOBODY, -1)
+    target.chmod(0o666)
+    (step / "data.pt").unlink()
+    (step / "data.pt").symlink_to(target)
+    return step / "data.pt", "a symbolic link (to "
+
+
+def plant_open_shard(step: Path, marker: Path) -> tuple[Path, str]:
+    shard = write_payload(step / "actor" / "model_world_size_1_rank_0.pt", marker)
+    shard.chmod(0o666)
+    return shard, "mode 0666 lets group or others write it"
+
+
+def plant_foreign_shard(step: Path, marker: Path) -> tuple[Path, str]:
+    need_root()
+    shard = write_payload(step / "actor" / "optim_world_size_1_rank_0.pt", marker)
+    os.chown(shard, NOBODY, -1)
+    return shard, f"owned by uid {NOBODY}, not by this user"
+
+
+def plant_acl_shard(step: Path, marker: Path) -> tuple[Path, str]:
+    shard = write_payload(step / "actor" / "extra_state_world_size_1_rank_0.pt", marker)
+    shard.chmod(0o600)
+    grant_write_acl(shard, NOBODY)
+    return shard, "mode 0660 lets group or others write it"
+
+
+PLANTS = {
+    "symlinked-data.pt": plant_symlinked_data,
+    "world-writable-shard": plant_open_shard,
+    "another-users-shard": plant_foreign_shard,
+    "acl-shard": plant_acl_shard,
+}
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A private checkpoint folder (``ckpt/global_step_2``, world size 1, complete) and the payload's marker."""
+    root = tmp_path / "ckpt"
+    root.mkdir(mode=0o700)
+    return root, save(root, 2, world_size=1), tmp_path / "PAYLOAD_RAN"
+
+
+def trainer_cfg(root: Path, **trainer):
+    return OmegaConf.create(
+        {"trainer": {"resume_mode": "auto", "default_local_dir": str(root), "nnodes": 1, "n_gpus_per_node": 1,
+                     **trainer}, "algorithm": {}, "actor_rollout_ref": {"model": {}}}
+    )  # fmt: skip
+
+
+def verls_load(path: Path) -> None:
+    """What verl's loads do with a checkpoint file (``trainer_base.py:895``, ``fsdp_checkpoint_manager.py:215``)."""
+    torch.load(path, weights_only=False)
+
+
+@pytest.mark.parametrize("plant", list(PLANTS), ids=list(PLANTS))
+def test_the_driver_refuses_a_planted_file_before_ray_starts(run, plant):
+    root, step, marker = run
+    planted, why = PLANTS[plant](step, marker)
+    with pytest.raises(ResumeRefused) as err:
+        check_world_size_before_launch(trainer_cfg(root), CheckpointLayout())
+    assert f"{planted}: {why}" in str(err.value) and "\n" not in str(err.value)
+    assert not marker.exists()
+    verls_load(planted)  # the payload is live: verl's own load would have run it
+    assert marker.exists()
+
+
+class FakeWorkers:
+    """``actor_rollout_ref`` worker group whose ``load_checkpoint`` is what each FSDP worker runs: verl's
+    ``FSDPCheckpointManager.load_checkpoint`` (as the plugin installs it) on the rank's manager."""
+
+    def __init__(self):
+        from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+
+        self.manager = object.__new__(FSDPCheckpointManager)
+        self.manager.checkpoint_load_contents = ["model", "optimizer", "extra"]
+        model = torch.nn.Linear(1, 1)
+        self.manager.model, self.manager.optimizer = model, torch.optim.SGD(model.parameters(), lr=0.1)
+        self.manager.lr_scheduler = None
+        self.manager.rank, self.manager.world_size = 0, 1
+        self.loaded: list[str] = []
+
+    def load_checkpoint(self, local_path, del_local_after_load=False):
+        self.loaded.append(local_path)
+        self.manager.load_checkpoint(local_path, del_local_after_load=del_local_after_load)
+
+
+def trainer_at(root: Path, **trainer):
+    import gtpo.verl_plugin.register  # noqa: F401  (installs the workers' check, as in every Ray process)
+
+    out = make_trainer(root, **trainer)
+    out.actor_rollout_wg = FakeWorkers()
+    return out
+
+
+@pytest.mark.parametrize("plant", list(PLANTS), ids=list(PLANTS))
+def test_the_trainer_checks_again_right_before_verls_loads(run, plant):
+    """A folder the driver never saw (or checked minutes earlier): the trainer refuses in its own process before
+    verl's ``_load_checkpoint`` loads anything, data.pt included; no worker is asked to load."""
+    root, step, marker = run
+    planted, why = PLANTS[plant](step, marker)
+    trainer = trainer_at(root)
+    with pytest.raises(RuntimeError, match=f"cannot resume: .*{re.escape(f'{planted}: {why}')}"):
+        trainer._load_checkpoint()
+    assert not marker.exists() and trainer.actor_rollout_wg.loaded == []
+
+
+@pytest.mark.parametrize("plant", ["world-writable-shard", "another-users-shard", "acl-shard"])
+def test_each_worker_checks_its_files_before_verls_torch_load(run, plant):
+    """The wrapper around verl's ``FSDPCheckpointManager.load_checkpoint`` (seam ``checkpoint-load-check``) refuses
+    the role folder in the worker's own process, before verl's ``torch.load(weights_only=False)``."""
+    from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+
+    root, step, marker = run
+    planted, why = PLANTS[plant](step, marker)
+    workers = trainer_at(root).actor_rollout_wg
+    with pytest.raises(RuntimeError, match=f"cannot resume: .*{re.escape(f'{planted}: {why}')}"):
+        workers.load_checkpoint(str(step / "actor"))
+    assert not marker.exists()
+    # verl's method itself, unwrapped, would have run it (the model file is the first it loads)
+    verls = FSDPCheckpointManager.load_checkpoint.__wrapped__
+    write_payload(step / "actor" / "model_world_size_1_rank_0.pt", marker)
+    with pytest.raises(Exception):  # noqa: B017 - the payload is no state dict; what matters is that it ran
+        verls(workers.manager, str(step / "actor"))
+    assert marker.exists()
+
+
+def test_a_folder_swapped_after_the_drivers_check_is_refused_by_the_trainer(tmp_path):
+    """Review row 39: the driver checks a clean folder; someone who may write its parent (a group-writable project
+    folder) then moves it aside and puts a planted copy in its place. The trainer's check right before verl's loads
+    refuses the copy; nothing of it runs."""
+    need_root()
+    project = tmp_path / "project"
+    project.mkdir()
+    project.chmod(0o2770)  # shared with a group: accepted, a group member could swap what is in it
+    root = project / "ckpt"
+    root.mkdir(mode=0o700)
+    step = save(root, 2, world_size=1)
+    marker = tmp_path / "PAYLOAD_RAN"
+    assert check_world_size_before_launch(trainer_cfg(root), CheckpointLayout()) == str(step)
+    # the swap, as the other user does it: their copy, their files
+    os.rename(root, project / "ckpt.moved")
+    shutil.copytree(project / "ckpt.moved", root)
+    write_payload(root / "global_step_2" / "data.pt", marker)
+    for path in [root, *root.rglob("*")]:
+        os.chown(path, NOBODY, -1, follow_symlinks=False)
+    trainer = trainer_at(root)
+    with pytest.raises(RuntimeError, match=f"cannot resume: trainer.default_local_dir={root}: owned by uid {NOBODY}"):
+        trainer._load_checkpoint()
+    assert not marker.exists() and trainer.actor_rollout_wg.loaded == []
+    # the same copy named by resume_path: refused at the folder itself
+    named = trainer_at(root, resume_mode="resume_path", resume_from_path=str(root / "global_step_2"))
+    with pytest.raises(RuntimeError, match=f"checkpoint={root / 'global_step_2'}: owned by uid {NOBODY}"):
+        named._load_checkpoint()
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("parent_mode,refused", [(0o777, True), (0o1777, False), (0o775, False)])
+def test_a_checkpoint_under_a_folder_everyone_may_write_is_refused_at_once(tmp_path, parent_mode, refused):
+    """A parent writable by everyone without the sticky bit lets anyone swap the folder between any check and the
+    load: refused outright (the sticky bit of a shared /tmp keeps others from renaming what is not theirs)."""
+    parent = tmp_path / "open"
+    parent.mkdir()
+    parent.chmod(parent_mode)
+    root = parent / "ckpt"
+    root.mkdir(mode=0o700)
+    step = save(root, 2, world_size=1)
+    if not refused:
+        assert check_world_size_before_launch(trainer_cfg(root), CheckpointLayout()) == str(step)
+        return
+    expect = re.escape(f"{parent}, is writable by everyone without the sticky bit (mode 0777)")
+    with pytest.raises(ResumeRefused, match=expect):
+        check_world_size_before_launch(trainer_cfg(root), CheckpointLayout())
+    with pytest.raises(RuntimeError, match=expect):
+        trainer_at(root)._load_checkpoint()
+
+
+# ------------------------------------------------------------------------------------------- the reshard command
+
+
+def reshard(*args: str, capsys) -> tuple[int, str]:
+    from gtpo.trainer.resume.reshard import main
+
+    rc = main(list(args))
+    return rc, capsys.readouterr().err
+
+
+def two_rank_checkpoint(folder: Path, marker: Path) -> Path:
+    """A world-size-2 ``actor/`` whose rank 0 model file is a payload (the reshard reads every old shard)."""
+    from tests.support.checkpoints import write_shards
+
+    write_shards(folder / "actor", world_size=2)
+    write_payload(folder / "actor" / "model_world_size_2_rank_0.pt", marker)
+    return folder
+
+
+@pytest.mark.parametrize("case", ["world-writable", "another-users", "symlinked-from", "symlinked-shard"])
+def test_the_reshard_command_refuses_a_checkpoint_others_could_write(tmp_path, capsys, case):
+    """Review rows 30-32: ``python -m gtpo.trainer.resume.reshard --from`` a world-writable, foreign-owned or
+    symlinked folder (or one holding a symlinked shard) ran the payload; now refused, exit 2, before any read."""
+    marker = tmp_path / "PAYLOAD_RAN"
+    folder = two_rank_checkpoint(tmp_path / "run" / "global_step_2", marker)
+    given, expect = folder, None
+    if case == "world-writable":
+        folder.chmod(0o777)
+        expect = f"the checkpoint={folder}: mode 0777 lets group or others write into it"
+    elif case == "another-users":
+        need_root()
+        os.chown(folder, NOBODY, -1)
+        expect = f"the checkpoint={folder}: owned by uid {NOBODY}"
+    elif case == "symlinked-from":
+        given = tmp_path / "link"
+        given.symlink_to(folder)
+        expect = f"the checkpoint={given}: a symbolic link (to {folder})"
+    else:
+        elsewhere = write_payload(tmp_path / "elsewhere.pt", marker)
+        shard = folder / "actor" / "model_world_size_2_rank_1.pt"
+        shard.unlink()
+        shard.symlink_to(elsewhere)
+        expect = f"a file of the checkpoint={shard}: a symbolic link (to {elsewhere})"
+    rc, err = reshard("--from", str(given), "--world-size", "1", "--out", str(tmp_path / "out"), capsys=capsys)
+    assert rc == 2 and f"gtpo reshard: refused: {expect}" in err, err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_the_recipes_own_loads_read_data_only(tmp_path, capsys):
+    """A payload in a private checkpoint (one's own file, copied from a shared place): the reshard and the resume's
+    LoRA probe read shards with ``torch.load(weights_only=True)``, which refuses what is not data; nothing runs."""
+    from gtpo.trainer.resume.checkpoint_world_size import _checkpoint_is_lora
+
+    marker = tmp_path / "PAYLOAD_RAN"
+    folder = two_rank_checkpoint(tmp_path / "run" / "global_step_2", marker)
+    rc, err = reshard("--from", str(folder), "--world-size", "1", capsys=capsys)
+    shard = folder / "actor" / "model_world_size_2_rank_0.pt"
+    assert rc == 2 and f"gtpo reshard: refused: {shard}: cannot be read as a torch.save file (UnpicklingError" in err
+    with pytest.raises(RuntimeError, match=f"{shard} cannot be read as a torch.save file \\(UnpicklingError"):
+        _checkpoint_is_lora(str(folder / "actor"), 2)
+    assert not marker.exists()
