@@ -98,19 +98,25 @@ DemoAssets = AssetPaths
 
 def build_tokenizer():
     """The demo's word-level tokenizer as a transformers fast tokenizer (43 tokens, ``"\\n"`` is one token)."""
+    return word_level_tokenizer(SPECIAL_TOKENS, WORDS, CHAT_TEMPLATE)
+
+
+def word_level_tokenizer(special_tokens: tuple[str, ...], words: tuple[str, ...], chat_template: str):
+    """A fast tokenizer of whole words: ``special_tokens`` first (``<unk>``, ``<|endoftext|>``, ``<|im_end|>`` among
+    them), then ``words``, with ``"\\n"`` one token as verl's Qwen token builder requires."""
     from tokenizers import AddedToken, Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *WORDS))}
+    vocab = {tok: i for i, tok in enumerate((*special_tokens, *words))}
     core = Tokenizer(WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     core.pre_tokenizer = WhitespaceSplit()
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
     # An added token is matched before the whitespace pre-tokenizer would drop it.
     core.add_tokens([AddedToken(NEWLINE, special=False, normalized=False)])
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=UNK_TOKEN)
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = chat_template
     return tok
 
 

@@ -30,7 +30,13 @@ import random
 from pathlib import Path
 
 from gtpo.cpu.asset_cache import AssetPaths, build_once
-from gtpo.cpu.demo_task import MODEL_RECIPE, build_model
+from gtpo.cpu.demo_task import (
+    MODEL_RECIPE,
+    NEWLINE,
+    SPECIAL_TOKENS,
+    build_model,
+    word_level_tokenizer,
+)
 
 __all__ = [
     "CALL_WORD",
@@ -53,9 +59,6 @@ CALL_WORD = "lookup"
 REPLY_WORD = "result"
 KEYS = ("red", "green", "blue", "gold")
 DIGITS = tuple(str(d) for d in range(10))
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
-PAD_TOKEN, EOS_TOKEN, UNK_TOKEN = "<|endoftext|>", "<|im_end|>", "<unk>"
-NEWLINE = "\n"
 WORDS = ("find", *KEYS, CALL_WORD, REPLY_WORD, *DIGITS)
 # The user's and assistants' contents as they are; a tool turn as "<|im_start|> result <d> <|im_end|>" (its leading
 # space keeps verl's token-id suffix check exact after any word); no generation prompt, no system text.
@@ -105,19 +108,7 @@ TOOL_SCHEMA = {
 
 def build_tokenizer():
     """The task's word-level tokenizer (22 tokens, ``"\\n"`` one token as verl's Qwen token builder requires)."""
-    from tokenizers import AddedToken, Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *WORDS))}
-    core = Tokenizer(WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
-    core.pre_tokenizer = WhitespaceSplit()
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    core.add_tokens([AddedToken(NEWLINE, special=False, normalized=False)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=UNK_TOKEN)
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+    return word_level_tokenizer(SPECIAL_TOKENS, WORDS, CHAT_TEMPLATE)
 
 
 def build_rows(count: int, split: str, seed: int) -> list[dict]:
