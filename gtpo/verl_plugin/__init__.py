@@ -6,7 +6,3 @@ recipe's trainers), ``config`` (the list of modules verl imports) and ``register
 through ``VERL_USE_EXTERNAL_MODULES=gtpo.verl_plugin.register`` or the ``verl.plugins`` entry point ``gtpo``. The
 trainer's runtime (:mod:`gtpo.trainer`) imports ``actor_loss``; only ``register`` imports the trainer.
 """
-
-# verl imports the modules VERL_USE_EXTERNAL_MODULES names (``register``, which imports ``estimators``) while its own
-# package initialises: importing it first keeps a direct ``import gtpo.verl_plugin.estimators`` out of that circle.
-import verl  # noqa: E402,F401

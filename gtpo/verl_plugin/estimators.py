@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from verl.trainer.ppo.core_algos import agg_loss
 
 from gtpo.algorithms.group_ops import group_ids
 from gtpo.algorithms.kernel_dispatch import row_sums
@@ -116,6 +115,9 @@ def _grop_offset(config, rewards, response_mask, gid, num_groups, threshold, ext
 
 def verl_policy_loss(method: Method):
     """``method``'s policy loss as a verl policy loss (for ``register_policy_loss(method.name)``)."""
+    # imported here, not with the module: verl's package import loads the registration, which imports this module
+    from verl.trainer.ppo.core_algos import agg_loss
+
 
     def policy_loss(
         old_log_prob: torch.Tensor,
