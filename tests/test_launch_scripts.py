@@ -521,7 +521,9 @@ def test_eval_checkpoint_dry_run(tmp_path):
     trainer = cfg["trainer"]
     assert trainer["val_only"] is True and trainer["val_before_train"] is True
     assert trainer["resume_mode"] == "resume_path" and trainer["resume_from_path"] == str(ckpt)
-    assert trainer["validation_data_dir"] == str(ckpt / "eval" / "generations")
+    # the evaluation's own folder, beside the run's (its retention prunes global_step_30 whole)
+    assert trainer["validation_data_dir"] == str(tmp_path / "ckpts-eval-step30" / "generations")
+    assert trainer["experiment_name"] == "ckpts-eval-step30"
     # Table 1's 32 samples per problem, not the launcher's in-loop 4
     assert cfg["actor_rollout_ref"]["rollout"]["val_kwargs"]["n"] == 32
     assert "-m gtpo.eval" not in proc.stderr  # a dry run evaluates nothing
@@ -541,7 +543,9 @@ def test_launchers_and_the_evaluation_run_under_umask_077(tmp_path):
     launcher = str(script_path("gtpo", "7b"))
     dry = subprocess.run(["bash", launcher], env={**env, "DRY_RUN": "1"}, capture_output=True, text=True)
     assert dry.returncode == 0, dry.stderr[-3000:]
-    checkpoint = str(tmp_path / "ckpts" / "global_step_30")
+    from tests.support.checkpoints import complete_checkpoint
+
+    checkpoint = str(complete_checkpoint(tmp_path / "ckpts" / "global_step_30", 30))
     evaluation = subprocess.run(
         ["bash", str(SCRIPTS / "eval_checkpoint.sh"), launcher, checkpoint], env=env, capture_output=True, text=True
     )
