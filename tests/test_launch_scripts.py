@@ -527,6 +527,12 @@ def test_eval_checkpoint_dry_run(tmp_path):
     # Table 1's 32 samples per problem, not the launcher's in-loop 4
     assert cfg["actor_rollout_ref"]["rollout"]["val_kwargs"]["n"] == 32
     assert "-m gtpo.eval" not in proc.stderr  # a dry run evaluates nothing
+    # a checkpoint of another world size: evaluated through a copy in the evaluation's folder, never in place
+    other = complete_checkpoint(tmp_path / "ckpts" / "global_step_40", 40, world_size=4)
+    proc = _dry_run(tmp_path, *evaluate, str(other))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    copy = tmp_path / "ckpts-eval-step40" / "resharded" / "global_step_40"
+    assert f"saved at world size 4: evaluated through a copy resharded to 8 in {copy}, never in place" in proc.stdout
     bad = _dry_run(tmp_path, str(SCRIPTS / "eval_checkpoint.sh"), str(script_path("gtpo", "7b")), "ckpts/last")
     assert bad.returncode == 2 and "expected verl's checkpoint folder" in bad.stderr
 
