@@ -62,7 +62,7 @@ def _stand_in_python(tmp_path: Path) -> tuple[Path, Path]:
     then the driver's environment (:data:`RECORDED_ENV`)."""
     record = tmp_path / "calls"
     fake = tmp_path / "bin" / "python"
-    fake.parent.mkdir()
+    fake.parent.mkdir(exist_ok=True)
     dump_env = "".join(f'echo "env {name}=${{{name}:-}}" >> "{record}"\n' for name in RECORDED_ENV)
     fake.write_text(
         "#!/usr/bin/env bash\n"
