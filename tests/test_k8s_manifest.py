@@ -876,7 +876,8 @@ def doc_kustomizations() -> dict[str, str]:
 
 def test_the_guides_smoke_and_evaluation_jobs(tmp_path, validator, docs_7b):
     """docs/cluster.md's smoke and evaluation RayJobs, written where the guide writes them (runs/ in the checkout)
-    and built as kubectl would: valid, still the 7B job's pods, token and NetworkPolicy, running what they say."""
+    and built as kubectl would: valid, the 7B job's pods and token, running what they say, and everything they own
+    renamed (a NetworkPolicy of their own that selects and admits only their pods, never the 7B job's)."""
     found = doc_kustomizations()
     assert set(found) == {"runs/k8s-smoke", "runs/k8s-eval"}, sorted(found)
     (tmp_path / "scripts").symlink_to(REPO / "scripts")
@@ -885,8 +886,13 @@ def test_the_guides_smoke_and_evaluation_jobs(tmp_path, validator, docs_7b):
         (tmp_path / folder / "kustomization.yaml").write_text(text + "\n")
         docs = render(tmp_path / folder)
         policy_doc, job = only(docs, "NetworkPolicy"), only(docs, "RayJob")
-        assert errors(validator, job) == [] and policy_doc == docs_7b[0]
+        name = job["metadata"]["name"]
+        assert errors(validator, job) == [] and name == f"gtpo-{folder.rpartition('-')[2]}"
+        assert policy_doc["metadata"]["name"] == name
+        instances = re.findall(r"app\.kubernetes\.io/instance: (\S+)", yaml.safe_dump_all(docs, sort_keys=False))
+        assert instances and set(instances) == {name}, instances
         assert network_policy_problems(policy_doc, job) == []
+        assert network_policy_problems(docs_7b[0], job), "the 7B job's policy would select the renamed pods"
         test_token_auth_reaches_head_workers_and_submitter(job)
         env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
         entrypoint = job["spec"]["entrypoint"]
@@ -896,7 +902,9 @@ def test_the_guides_smoke_and_evaluation_jobs(tmp_path, validator, docs_7b):
             assert scripts == ["scripts/run_smoke_qwen2.5_0.5b.sh"]
             # the 7B job's names and log folders are unset: the smoke run's own go under its CKPTS_DIR
             unset = set(re.findall(r"-u (\w+)", entrypoint))
-            assert unset == {"PROJECT_NAME", "EXP_NAME", "VERL_FILE_LOGGER_ROOT", "TENSORBOARD_DIR", "WANDB_DIR"}
+            assert unset == {"PROJECT_NAME", "EXP_NAME", "VERL_FILE_LOGGER_ROOT", "TENSORBOARD_DIR", "WANDB_DIR",
+                             "NNODES", "NGPUS_PER_NODE"}  # fmt: skip
+            assert {"NNODES", "NGPUS_PER_NODE"} <= set(env)  # one GPU, the smoke preset's, as everywhere
             assert unset <= set(env) and "MODEL_PATH=/data/models/Qwen2.5-0.5B-Instruct" in entrypoint
         else:
             assert scripts == ["scripts/eval_checkpoint.sh", "scripts/run_gtpo_qwen2.5_7b.sh"]

@@ -521,10 +521,18 @@ def test_eval_checkpoint_dry_run(tmp_path):
     trainer = cfg["trainer"]
     assert trainer["val_only"] is True and trainer["val_before_train"] is True
     assert trainer["resume_mode"] == "resume_path" and trainer["resume_from_path"] == str(ckpt)
-    assert trainer["validation_data_dir"] == str(ckpt / "eval" / "generations")
+    # the evaluation's own folder, beside the run's (its retention prunes global_step_30 whole)
+    assert trainer["validation_data_dir"] == str(tmp_path / "ckpts-eval-step30" / "generations")
+    assert trainer["experiment_name"] == "ckpts-eval-step30"
     # Table 1's 32 samples per problem, not the launcher's in-loop 4
     assert cfg["actor_rollout_ref"]["rollout"]["val_kwargs"]["n"] == 32
     assert "-m gtpo.eval" not in proc.stderr  # a dry run evaluates nothing
+    # a checkpoint of another world size: evaluated through a copy in the evaluation's folder, never in place
+    other = complete_checkpoint(tmp_path / "ckpts" / "global_step_40", 40, world_size=4)
+    proc = _dry_run(tmp_path, *evaluate, str(other))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    copy = tmp_path / "ckpts-eval-step40" / "resharded" / "global_step_40"
+    assert f"saved at world size 4: evaluated through a copy resharded to 8 in {copy}, never in place" in proc.stdout
     bad = _dry_run(tmp_path, str(SCRIPTS / "eval_checkpoint.sh"), str(script_path("gtpo", "7b")), "ckpts/last")
     assert bad.returncode == 2 and "expected verl's checkpoint folder" in bad.stderr
 
@@ -541,7 +549,9 @@ def test_launchers_and_the_evaluation_run_under_umask_077(tmp_path):
     launcher = str(script_path("gtpo", "7b"))
     dry = subprocess.run(["bash", launcher], env={**env, "DRY_RUN": "1"}, capture_output=True, text=True)
     assert dry.returncode == 0, dry.stderr[-3000:]
-    checkpoint = str(tmp_path / "ckpts" / "global_step_30")
+    from tests.support.checkpoints import complete_checkpoint
+
+    checkpoint = str(complete_checkpoint(tmp_path / "ckpts" / "global_step_30", 30))
     evaluation = subprocess.run(
         ["bash", str(SCRIPTS / "eval_checkpoint.sh"), launcher, checkpoint], env=env, capture_output=True, text=True
     )

@@ -32,6 +32,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
+
+from gtpo.launch.preflight_checks import check_trackers
+from gtpo.launch.submit import DEFAULT_PASSTHROUGH
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -121,6 +125,7 @@ def test_the_readme_cluster_block_runs_as_written(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "LANG": "C.UTF-8"}
     steps: list[str] = []
     launched: list[str] = []
+    job_configs: list[dict] = []  # the resolved config of each launcher's dry run, in order
     for cmd in readme_commands():
         words = shlex.split(cmd, comments=True)
         if words[0] == "docker":
@@ -168,6 +173,7 @@ def test_the_readme_cluster_block_runs_as_written(tmp_path):
                     model = Path(cfg["actor_rollout_ref"]["model"]["path"])
                     assert f"vocabulary {FAKE_VOCAB:,}: vocab_size of {model / 'config.json'}" in proc.stdout, part
                 launched.append(shlex.split(part)[-1])
+                job_configs.append(configs[-1])
         elif "sbatch" in words:
             steps.append("sbatch")
             at = words.index("sbatch")
@@ -176,9 +182,14 @@ def test_the_readme_cluster_block_runs_as_written(tmp_path):
             text = sbatch.read_text()
             for assignment in words[:at]:
                 name, _, value = assignment.partition("=")
+                if name in DEFAULT_PASSTHROUGH.split():  # the launcher hands these to Ray's runtime env
+                    continue
                 assert re.search(rf"\$\{{{name}[:}}]", text), f"{sbatch.name} does not read {name}"
                 if name == "LAUNCH_SCRIPT":
                     assert value in launched, f"{value} is launched before its dry run"
+            # the job's preflight passes its tracker check with what the line sets (W&B offline, or a key)
+            job_env = {**env, **dict(a.partition("=")[::2] for a in words[:at])}
+            assert check_trackers(OmegaConf.create(job_configs[-1]), job_env).startswith("wandb ("), cmd
         elif words[0] == "bash":
             steps.append("gpu run")
             assert words[1] in launched, f"{cmd}: no dry run of it above"

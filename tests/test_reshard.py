@@ -561,3 +561,34 @@ def test_the_offline_command_writes_a_copy_and_leaves_the_original(saved_at_2, t
     assert exists.returncode == 2 and f"--out {out} exists; name a new folder" in exists.stderr
     bad = _cli("--from", str(folder), "--world-size", "0")
     assert bad.returncode == 2 and "--world-size 0: must be >= 1" in bad.stderr
+
+
+def _tree_hashes(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+def test_an_evaluation_at_another_world_size_reshards_a_copy_of_its_own(saved_at_2, tmp_path, capsys):
+    """scripts/eval_checkpoint.sh on another shape: the run's checkpoint (its run may still be training from it) is
+    left byte for byte; the evaluation loads a copy resharded in its own folder, and the trainer never reshards an
+    evaluation's checkpoint in place."""
+    from gtpo.launch.checks import reshard_evaluation_copy
+
+    folder = _copy(saved_at_2[0], tmp_path / "run")
+    _model_dir(tmp_path, folder)
+    before = _tree_hashes(folder)
+    config = _run_config(tmp_path, 3)
+    config.trainer.update(val_only=True, resume_mode="resume_path", resume_from_path=str(folder),
+                          default_local_dir=str(tmp_path / "run-eval-step2"))  # fmt: skip
+    copy = tmp_path / "run-eval-step2" / "resharded" / folder.name
+    with pytest.raises(RuntimeError, match="an evaluation never reshards the run's checkpoint in place"):
+        checkpoint_world_size.match_resume_world_size(str(folder), config, SYNC)
+    assert reshard_evaluation_copy(config, SYNC) == str(copy)
+    assert config.trainer.resume_from_path == str(copy)
+    assert f"through a copy resharded to world size 3: {copy}" in capsys.readouterr().out
+    assert sorted(shard_files(str(copy / "actor"))) == [3] and _tree_hashes(folder) == before
+    # the trainer finds the copy at its size; a second evaluation at this size reuses it
+    assert checkpoint_world_size.match_resume_world_size(str(copy), config, SYNC) == {}
+    config.trainer.resume_from_path = str(folder)
+    assert reshard_evaluation_copy(config, SYNC) == str(copy) and "resharded" not in capsys.readouterr().out
+    assert _tree_hashes(folder) == before

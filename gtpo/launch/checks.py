@@ -15,18 +15,20 @@ import importlib.metadata
 import io
 import os
 import re
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gtpo.launch.batch_checks import batch_plan, ulysses_size, verl_mode
 from gtpo.methods import ENTROPY, KNOBS, METHODS, entropy_available, fields_needed, knob, recipe_estimator
 from gtpo.tools.config import check_multi_turn
 
 __all__ = ["Checked", "ResumeRefused", "check_config", "check_cpu_backend", "check_overlong_shaping",
-           "check_world_size_before_launch", "prepare_launch", "validate_recipe_config"]  # fmt: skip
+           "check_evaluation_apart", "check_world_size_before_launch", "prepare_launch", "reshard_evaluation_copy",
+           "validate_recipe_config"]  # fmt: skip
 
 # Attention implementations verl's Ulysses all-to-all wraps, and the CPU backend's SDPA that does the same.
 CPU_ATTENTION = "gtpo_cpu_sdpa"
@@ -324,6 +326,103 @@ def check_run_folder(config: DictConfig, environ: Mapping[str, str]) -> None:
             )
 
 
+def _evaluated_checkpoint(config: Any) -> str | None:
+    """The checkpoint a validation-only run (``trainer.val_only``, scripts/eval_checkpoint.sh) evaluates, or None."""
+    trainer = config.trainer
+    if not trainer.get("val_only", False) or str(trainer.get("resume_mode", "")) != "resume_path":
+        return None
+    path = trainer.get("resume_from_path", None)
+    return os.path.abspath(str(path)) if path else None
+
+
+def check_evaluation_apart(config: DictConfig, environ: Mapping[str, str]) -> None:
+    """An evaluation (``trainer.val_only`` of ``trainer.resume_from_path``) writes nothing of the run it evaluates,
+    which may still be training: no folder of it inside the run's folder (the run's retention prunes
+    ``global_step_<N>``, its resume reads the rest) and not the run's experiment name (the metric log, TensorBoard and
+    W&B run of that name are the run's: verl opens the file log with ``"wb"``)."""
+    checkpoint = _evaluated_checkpoint(config)
+    if checkpoint is None:
+        return
+    from gtpo.launch.runs import recorded_run
+    from gtpo.trainer.observe.metric_history import uses_file_logger
+
+    run_dir = os.path.dirname(checkpoint)
+    trainer, env = config.trainer, {**environ, **(_get(config, RUNTIME_ENV_VARS_KEY) or {})}
+    written = {"trainer.default_local_dir": trainer.get("default_local_dir", None),
+               "trainer.validation_data_dir": trainer.get("validation_data_dir", None)}  # fmt: skip
+    if uses_file_logger(trainer.get("logger", None)):
+        root = env.get("VERL_FILE_LOGGER_ROOT") or "."
+        written["its metric log"] = env.get("VERL_FILE_LOGGER_PATH") or os.path.join(
+            os.path.expanduser(str(root)), str(trainer.project_name), f"{trainer.experiment_name}.jsonl"
+        )
+    for name in ("TENSORBOARD_DIR", "WANDB_DIR"):
+        written[name] = env.get(name)
+    for key, path in written.items():
+        if not path:
+            continue
+        path = os.path.abspath(str(path))
+        if path == run_dir or path.startswith(run_dir + os.sep):
+            raise ValueError(
+                f"{key}={path}: trainer.val_only=true evaluates {checkpoint} but would write inside its run's folder "
+                f"{run_dir}, which that run prunes and may still be writing; give the evaluation a folder of its own "
+                "(scripts/eval_checkpoint.sh: EVAL_DIR outside the run's folder)"
+            )
+    recorded = recorded_run(run_dir)
+    if recorded is not None and recorded.get("name") == str(trainer.experiment_name):
+        raise ValueError(
+            f"trainer.experiment_name={trainer.experiment_name}: the name of the run that saved {checkpoint}; its "
+            "metric log, TensorBoard folder and W&B run are that run's, which may still be training; name the "
+            "evaluation (EXP_NAME; scripts/eval_checkpoint.sh names it <run>-eval-step<N>)"
+        )
+
+
+def reshard_evaluation_copy(config: DictConfig, layout: Any) -> str | None:
+    """An evaluation of a checkpoint saved at another world size loads a resharded copy in its own folder
+    (``<trainer.default_local_dir>/resharded/global_step_<N>``, kept for the next evaluation at this size), never the
+    run's checkpoint resharded in place; ``config.trainer.resume_from_path`` is pointed at the copy. Returns the copy,
+    or None when the checkpoint loads as it is.
+
+    Raises:
+        ResumeRefused: what cannot be resharded, or is too large to reshard inside the job, named.
+    """
+    from gtpo.trainer.resume.checkpoint_world_size import check_in_job_reshard_size, reshard_problems, run_world_size
+    from gtpo.trainer.resume.checkpoints import ROLE_DIRS, role_world_size
+    from gtpo.trainer.resume.reshard import ReshardRefused, reshard_checkpoint
+
+    checkpoint = _evaluated_checkpoint(config)
+    if checkpoint is None or not os.path.isdir(checkpoint):
+        return None
+    world_size = run_world_size(config.trainer)
+    try:
+        sizes = [role_world_size(os.path.join(checkpoint, role)) for role in ROLE_DIRS]
+    except ValueError as err:
+        raise ResumeRefused(f"cannot evaluate {checkpoint}: {err}") from None
+    if all(size in (None, world_size) for size in sizes):
+        return None
+    _refuse_unless_private(checkpoint, "trainer.resume_from_path", inside=True)
+    problems = reshard_problems(checkpoint, config, layout)
+    if problems:
+        raise ResumeRefused(f"cannot reshard {checkpoint} to world size {world_size}: {'; '.join(problems)}")
+    try:
+        check_in_job_reshard_size(checkpoint, config)
+    except RuntimeError as err:
+        raise ResumeRefused(str(err)) from None
+    own_folder = os.path.abspath(str(config.trainer.default_local_dir))
+    copy = os.path.join(own_folder, "resharded", os.path.basename(checkpoint))
+    actor = os.path.join(copy, "actor")
+    if not (os.path.isdir(actor) and role_world_size(actor) == world_size):
+        shutil.rmtree(copy, ignore_errors=True)  # an earlier evaluation's copy at another size: this one's own
+        os.makedirs(os.path.dirname(copy), exist_ok=True)
+        try:
+            reshard_checkpoint(checkpoint, world_size, out=copy)
+        except ReshardRefused as err:
+            raise ResumeRefused(f"cannot reshard {checkpoint} to world size {world_size}: {err}") from None
+        print(f"gtpo: evaluating {checkpoint} through a copy resharded to world size {world_size}: {copy}")
+    with open_dict(config):
+        config.trainer.resume_from_path = copy
+    return copy
+
+
 def check_model_folder(config: DictConfig, environ: Mapping[str, str]) -> None:
     """Under a launcher (its run in ``environ``), the model folder's ``config.json``, when readable here, is the model
     the run's model preset is sized for: its budgets, offload and vLLM share are another model's otherwise."""
@@ -377,6 +476,7 @@ def check_config(config: DictConfig, environ: Mapping[str, str] | None = None) -
     check_model_folder(cfg, environ)
     check_gpu_memory(cfg)
     check_run_folder(cfg, environ)
+    check_evaluation_apart(cfg, environ)
     use_ref, use_critic, out = bool(need_reference_policy(cfg)), bool(need_critic(cfg)), io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
@@ -481,7 +581,9 @@ def prepare_launch(config: DictConfig, checked: Checked, environ: Mapping[str, s
     check_checkpoint_engine(checked.config)
     check_data(checked.config)
     async_mode = verl_mode(str(config.trainer.v1.trainer_mode)) != "sync"
-    check_world_size_before_launch(config, layout_of(config, checked.use_critic, async_mode))
+    layout = layout_of(config, checked.use_critic, async_mode)
+    reshard_evaluation_copy(config, layout)
+    check_world_size_before_launch(config, layout)
     run, trainer = run_identity(environ), checked.config.trainer
     if run is not None and not trainer.get("val_only", False) and (trainer.get("save_freq", -1) or -1) > 0:
         write_record(str(trainer.default_local_dir), run)

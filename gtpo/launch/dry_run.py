@@ -91,10 +91,22 @@ def _resume_line(cfg: DictConfig, use_critic: bool) -> str | None:
         reasons = incomplete_reasons(folder, int(step.group(1)), layout)
         problem = f"incomplete checkpoint: {', '.join(reasons)}" if reasons else ""
     if not problem:
-        return f"resume: trainer.resume_from_path={folder}, a complete checkpoint"
+        return f"resume: trainer.resume_from_path={folder}, a complete checkpoint" + _evaluation_copy_note(cfg, folder)
     if trainer.get("val_only", False):
         raise ValueError(f"trainer.resume_from_path={folder}: {problem} (trainer.val_only=true evaluates it)")
     return f"resume: trainer.resume_from_path={folder}: {problem}; the trainer checks it again before loading"
+
+
+def _evaluation_copy_note(cfg: DictConfig, folder: str) -> str:
+    """An evaluation of a checkpoint saved at another world size loads a resharded copy of its own
+    (:func:`gtpo.launch.checks.reshard_evaluation_copy`): where, said before the run makes it."""
+    from gtpo.trainer.resume.checkpoint_world_size import checkpoint_world_size, run_world_size
+
+    saved, run = checkpoint_world_size(folder), run_world_size(cfg.trainer)
+    if not cfg.trainer.get("val_only", False) or saved in (None, run):
+        return ""
+    copy = os.path.join(os.path.abspath(str(cfg.trainer.default_local_dir)), "resharded", os.path.basename(folder))
+    return f" saved at world size {saved}: evaluated through a copy resharded to {run} in {copy}, never in place"
 
 
 def _plan_lines(cfg: DictConfig, plan: dict, use_ref: bool, use_critic: bool) -> list[str]:

@@ -27,8 +27,11 @@ the seam ``tracker-internals`` of docs/architecture.md.
 
 A fresh run (N = 0) is left as verl built it (verl empties the file log), and an aside copy of an earlier run's log
 is removed: kept, it would be taken for this run's history at this run's first resume. A validation-only run
-(``trainer.val_only=true``, e.g. ``scripts/eval_checkpoint.sh`` on an older checkpoint of a run that went on) trains
-nothing, so it rewinds nothing: the file log is kept whole and its validation appended, TensorBoard gets no purge.
+(``trainer.val_only=true``) trains nothing, so it rewinds nothing: a file log of its name is kept whole and its
+validation appended, TensorBoard gets no purge. It must not share the name of the run it evaluates, which may still
+be logging through an open descriptor to the file moved aside here: ``scripts/eval_checkpoint.sh`` names it
+``<run>-eval-step<N>`` with folders of its own, and the driver refuses the run's name
+(:func:`gtpo.launch.checks.check_evaluation_apart`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ trainer before its workers load) leaves a checkpoint of the run's size alone and
   run's ``model.path`` by its ``config.json``, an HSDP run) and a checkpoint too large to reshard inside the job
   (:func:`check_in_job_reshard_size`: above ``algorithm.resume.reshard_in_job_max_gb`` the offline command is the
   way); then rewrites each role's shards for the run's ranks in place
-  (:func:`gtpo.trainer.resume.reshard.reshard_checkpoint`, which also refuses a format it does not know);
+  (:func:`gtpo.trainer.resume.reshard.reshard_checkpoint`, which also refuses a format it does not know); never for
+  an evaluation (``trainer.val_only``), whose driver reshards a copy of its own
+  (:func:`gtpo.launch.checks.reshard_evaluation_copy`);
 * ``refuse``: :func:`check_resume_world_size` raises, naming both sizes, the folder and the ways out (resume with
   ``W`` GPUs, reshard offline, or merge the weights with verl's model merger and start a new run from them).
 
@@ -204,7 +206,7 @@ def checkpoint_bytes(folder: str) -> int:
 
 def check_in_job_reshard_size(folder: str, config: Any) -> None:
     """Refuse to reshard inside the job a checkpoint larger than ``algorithm.resume.reshard_in_job_max_gb``: every GPU
-    of the allocation would wait for it (32B: 394 GB, read and written once), in a step whose memory limit is charged
+    of the allocation would wait for it (32B: 393 GB, read and written once), in a step whose memory limit is charged
     for the page cache it fills. The offline command on a login node does the same work, recoverably."""
     limit = knob(config.get("algorithm", None), "resume").reshard_in_job_max_gb
     size = checkpoint_bytes(folder) / 1e9
@@ -243,6 +245,14 @@ def match_resume_world_size(folder: str, config: Any, layout: CheckpointLayout) 
     if knob(config.get("algorithm", None), "resume").other_world_size == "refuse":
         check_resume_world_size(folder, trainer_cfg.nnodes, trainer_cfg.n_gpus_per_node)
         raise RuntimeError(f"cannot resume from {folder}: its critic is at another world size than {run}")
+    if trainer_cfg.get("val_only", False):
+        # An evaluation's driver reshards into a copy of its own (gtpo.launch.checks.reshard_evaluation_copy); the
+        # run it evaluates may still be training from this folder.
+        raise RuntimeError(
+            f"cannot evaluate {folder} at world size {run} (saved at {sizes}): an evaluation never reshards the "
+            "run's checkpoint in place; run it through scripts/eval_checkpoint.sh, or reshard a copy first: "
+            f"`python -m gtpo.trainer.resume.reshard --from {folder} --world-size {run} --out <folder>`"
+        )
     problems = reshard_problems(folder, config, layout)
     if problems:
         raise RuntimeError(f"cannot reshard {folder} to world size {run}: {'; '.join(problems)}")
