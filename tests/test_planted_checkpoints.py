@@ -137,6 +137,37 @@ def test_the_driver_refuses_a_planted_file_before_ray_starts(run, plant):
     assert marker.exists()
 
 
+def test_the_entry_point_refuses_it_in_one_line_with_exit_2(run, tmp_path):
+    """Review row 35: ``python -m recipe.gtpo.main_gtpo ... trainer.resume_from_path=<a folder others may write>`` was
+    refused before Ray but as a 17-frame traceback. Now: exit 2, one line naming the file, no traceback, no Ray."""
+    import subprocess
+    import sys
+
+    from tests.support.configs import REPO_ROOT, data_overrides
+
+    _, step, marker = run
+    planted, why = plant_open_shard(step, marker)
+    import gtpo.cpu
+
+    # the CPU backend's environment, as its launchers give it (without it verl's platform is CUDA's)
+    env = {k: v for k, v in os.environ.items() if k not in ("GTPO_TRACEBACK", "DRY_RUN") and not k.startswith("RAY_")}
+    env = gtpo.cpu.env(base=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe.gtpo.main_gtpo", "backend=cpu_tiny", *data_overrides(tmp_path / "data"),
+         "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step}", f"hydra.run.dir={tmp_path}/hydra"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("gtpo:")]
+    assert (
+        len(said) == 1
+        and said[0].startswith("gtpo: invalid configuration: cannot resume: ")
+        and f"{planted}: {why}" in said[0]
+    )
+    assert "Traceback" not in proc.stderr and "starting a new local Ray cluster" not in proc.stderr
+    assert not marker.exists()
+
+
 class FakeWorkers:
     """``actor_rollout_ref`` worker group whose ``load_checkpoint`` is what each FSDP worker runs: verl's
     ``FSDPCheckpointManager.load_checkpoint`` (as the plugin installs it) on the rank's manager."""
@@ -308,3 +339,45 @@ def test_the_recipes_own_loads_read_data_only(tmp_path, capsys):
     with pytest.raises(RuntimeError, match=f"{shard} cannot be read as a torch.save file \\(UnpicklingError"):
         _checkpoint_is_lora(str(folder / "actor"), 2)
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------------------- verl's rollout cache
+
+
+def test_a_rollout_cache_others_could_write_is_refused_before_ray(tmp_path):
+    """verl's rollout cache (``skip.rollout_tq``): a later run's TaskRunner loads the batches it finds under
+    ``dump_dir`` with ``torch.load(weights_only=False)``. An enabled cache holding a file others may write, or under a
+    folder everyone may write, is refused by the driver before Ray starts (``prepare_launch``), in one line naming
+    the key or the file; the payload never runs. A private cache, or one not enabled, is accepted."""
+    from gtpo.launch.checks import check_config, prepare_launch
+    from tests.support.configs import compose, data_overrides
+
+    data = data_overrides(tmp_path / "data")
+    marker = tmp_path / "PAYLOAD_RAN"
+    cache = tmp_path / "cache"
+    batch = cache / "exp_proj" / "GBS8_N2_in8_out8" / "1" / "0"
+    batch.mkdir(parents=True)
+    planted = write_payload(batch / "tq_batch.pt", marker)
+    planted.chmod(0o666)
+
+    def launch(dump_dir: Path, enable: bool = True) -> None:
+        config = compose(["backend=cpu_tiny", *data, f"skip.rollout_tq.enable={enable}",
+                          f"skip.rollout_tq.dump_dir={dump_dir}"])  # fmt: skip
+        prepare_launch(config, check_config(config), environ={})
+
+    with pytest.raises(ValueError) as err:
+        launch(cache)
+    assert f"a file of the rollout cache={planted}: mode 0666 lets group or others write it" in str(err.value)
+    assert "\n" not in str(err.value) and not marker.exists()
+    launch(cache, enable=False)  # verl's default: nothing is read from it
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    open_parent.chmod(0o777)
+    expect = f"skip.rollout_tq.dump_dir={open_parent / 'cache'}: the folder above it, {open_parent}, is writable by"
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        launch(open_parent / "cache")  # not made yet: anyone could make it first
+    planted.chmod(0o600)
+    launch(cache)
+    assert not marker.exists()
+    verls_load(planted)  # the payload is live: verl's own load would have run it
+    assert marker.exists()
