@@ -213,6 +213,8 @@ def test_the_driver_checks_the_data_of_a_real_run_before_ray(tmp_path, monkeypat
     from recipe.gtpo.main_gtpo import prepare_config
 
     monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
+    # backend=cpu_tiny's device stays cpu whatever platform verl detected first in this process (CUDA's, alone)
+    monkeypatch.setattr("recipe.gtpo.main_gtpo.auto_set_device", lambda config: None)
     data = data_overrides(tmp_path)
     plant_garbage(tmp_path / "val.parquet")
     prepare_config(compose(["backend=cpu_tiny", *data]), dry_run=True)
