@@ -381,3 +381,123 @@ def test_a_rollout_cache_others_could_write_is_refused_before_ray(tmp_path):
     assert not marker.exists()
     verls_load(planted)  # the payload is live: verl's own load would have run it
     assert marker.exists()
+
+
+# ------------------------------------------------------------------------------------ the guard's corner cases
+
+
+def test_a_checkpoint_file_that_is_no_regular_file_is_refused(run):
+    """A FIFO named ``data.pt`` (this user's, private) would block verl's ``torch.load`` forever: refused by name."""
+    root, step, _ = run
+    (step / "data.pt").unlink()
+    os.mkfifo(step / "data.pt", 0o600)
+    with pytest.raises(ResumeRefused, match=re.escape(f"a file of the checkpoint={step / 'data.pt'}: not a regular")):
+        check_world_size_before_launch(
+            trainer_cfg(root, resume_mode="resume_path", resume_from_path=str(step)), CheckpointLayout()
+        )
+
+
+def test_a_folder_everyone_may_write_above_the_real_path_is_refused(tmp_path):
+    """``resume_from_path`` through a symlink in a folder above it: the path as written crosses no open folder, the
+    real one does (``open/`` 0777 above ``open/sub/ckpt``); judged on both, it is refused, also by the reshard."""
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    (open_dir / "sub").mkdir(mode=0o755)
+    root = open_dir / "sub" / "ckpt"
+    root.mkdir(mode=0o700)
+    step = save(root, 2, world_size=1)
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    (mine / "link").symlink_to(open_dir / "sub")
+    named = mine / "link" / "ckpt" / "global_step_2"
+    expect = re.escape(f"{open_dir}, is writable by everyone without the sticky bit (mode 0777)")
+    cfg = trainer_cfg(root, resume_mode="resume_path", resume_from_path=str(named))
+    with pytest.raises(ResumeRefused, match=expect):
+        check_world_size_before_launch(cfg, CheckpointLayout())
+    assert step.is_dir()
+
+
+@pytest.mark.parametrize("how", ["resume_path", "reshard"])
+def test_a_named_checkpoint_under_a_folder_everyone_may_write_is_refused(tmp_path, capsys, how):
+    """Named directly (``resume_path``, the reshard's ``--from``), not found under ``default_local_dir``: the folders
+    above it are judged too."""
+    parent = tmp_path / "open"
+    parent.mkdir()
+    parent.chmod(0o777)
+    expect = f"{parent}, is writable by everyone without the sticky bit (mode 0777)"
+    if how == "reshard":
+        folder = two_rank_checkpoint(parent / "global_step_2", tmp_path / "PAYLOAD_RAN")
+        rc, err = reshard("--from", str(folder), "--world-size", "1", capsys=capsys)
+        assert rc == 2 and expect in err
+        return
+    root = parent / "ckpt"
+    root.mkdir(mode=0o700)
+    step = save(root, 2, world_size=1)
+    with pytest.raises(ResumeRefused, match=re.escape(expect)):
+        check_world_size_before_launch(
+            trainer_cfg(tmp_path / "unused", resume_mode="resume_path", resume_from_path=str(step)), CheckpointLayout()
+        )
+
+
+def test_an_empty_checkpoint_folder_under_a_folder_everyone_may_write_is_refused(tmp_path):
+    """``default_local_dir`` made (by the preflight or a first run) under an open folder, with nothing to resume yet:
+    refused before Ray all the same, as the preflight refuses it; the run's own saves would land where anyone can
+    swap them."""
+    parent = tmp_path / "open"
+    parent.mkdir()
+    parent.chmod(0o777)
+    root = parent / "ckpt"
+    root.mkdir(mode=0o700)
+    with pytest.raises(ResumeRefused, match=re.escape(f"trainer.default_local_dir={root}: the folder above it")):
+        check_world_size_before_launch(trainer_cfg(root), CheckpointLayout())
+
+
+def test_the_trainer_checks_again_after_the_world_size_step(run, monkeypatch):
+    """What happens to the folder while the trainer matches the world size (a reshard may take minutes) is checked
+    right before verl's loads: a shard made writable by others meanwhile is refused, nothing loaded."""
+    from gtpo.trainer.resume import hooks
+
+    root, step, marker = run
+    shard = step / "actor" / "model_world_size_1_rank_0.pt"
+    real_match = hooks.match_resume_world_size
+
+    def match_then_planted(folder, config, layout):
+        result = real_match(folder, config, layout)
+        write_payload(shard, marker).chmod(0o666)  # the swap, after the first check passed
+        return result
+
+    monkeypatch.setattr(hooks, "match_resume_world_size", match_then_planted)
+    trainer = trainer_at(root)
+    with pytest.raises(RuntimeError, match=re.escape(f"{shard}: mode 0666 lets group or others write it")):
+        trainer._load_checkpoint()
+    assert not marker.exists() and trainer.actor_rollout_wg.loaded == []
+
+
+def test_the_recipes_own_reads_check_each_file_first(tmp_path):
+    """The LoRA probe's read of a shard another user could write is refused by name before anything is read, even
+    when the folder check before it was skipped or raced."""
+    from gtpo.trainer.resume.checkpoint_world_size import _checkpoint_is_lora
+
+    folder = two_rank_checkpoint(tmp_path / "run" / "global_step_2", tmp_path / "PAYLOAD_RAN")
+    shard = folder / "actor" / "model_world_size_2_rank_0.pt"
+    shard.chmod(0o666)
+    with pytest.raises(RuntimeError, match=re.escape(f"{shard}: mode 0666 lets group or others write it")):
+        _checkpoint_is_lora(str(folder / "actor"), 2)
+
+
+def test_the_trainer_checks_the_folder_before_the_world_size_step(tmp_path):
+    """A checkpoint of another world size with a file others may write: the trainer refuses it for that file before
+    it looks at the world size (no reshard renames anything in it, no refusal about the size hides the real one)."""
+    from omegaconf import OmegaConf
+
+    root = tmp_path / "ckpt"
+    root.mkdir(mode=0o700)
+    step = save(root, 2, world_size=2)
+    shard = write_payload(step / "actor" / "model_world_size_2_rank_0.pt", tmp_path / "PAYLOAD_RAN")
+    shard.chmod(0o666)
+    trainer = trainer_at(root)
+    trainer.config.algorithm = OmegaConf.create({"resume": {"other_world_size": "refuse"}})
+    with pytest.raises(RuntimeError, match=re.escape(f"cannot resume: a file of the checkpoint={shard}: mode 0666")):
+        trainer._load_checkpoint()
+    assert not (tmp_path / "PAYLOAD_RAN").exists() and trainer.actor_rollout_wg.loaded == []
