@@ -173,8 +173,9 @@ def test_the_token_folder_is_private_too(clean_env):
 
 
 def test_a_long_temp_folder_gives_way_to_tmp(clean_env, monkeypatch):
-    """Under a job's long ``TMPDIR`` Ray's socket paths would pass 107 bytes: the run's folder goes to /tmp then."""
-    long = clean_env / ("x" * 40)
+    """Under a job's long ``TMPDIR`` Ray's socket paths would pass 107 bytes: the run's folder goes to /tmp once the
+    folder's own path would pass 36 characters (here 45)."""
+    long = clean_env / ("x" * 10)
     long.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(long))
     env: dict[str, str] = {}
