@@ -69,6 +69,15 @@ INT64_MAX = 2**63 - 1
             f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={INT64_MAX}",
             "log_prob_max_token_len_per_gpu=9223372036854775807: must be an integer in [1, 2147483647]",
         ),
+        ("trainer.total_training_steps=true", "trainer.total_training_steps=True: must be an integer >= 1 or null"),
+        (
+            f"critic.ppo_max_token_len_per_gpu={INT64_MAX}",
+            f"critic.ppo_max_token_len_per_gpu={INT64_MAX}: must be an integer in [1, 2147483647]",
+        ),
+        (
+            f"critic.forward_max_token_len_per_gpu={INT64_MAX}",
+            f"critic.forward_max_token_len_per_gpu={INT64_MAX}: must be an integer in [1, 2147483647]",
+        ),
     ],
 )
 def test_a_value_no_run_can_train_with_is_refused_naming_its_key(override, message):
@@ -146,6 +155,15 @@ def plant_no_ground_truth(path: Path) -> None:
     write(path, pa.table({**rows(4), "reward_model": [{"style": "rule"}] * 4}))
 
 
+def plant_folder(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def plant_no_data_source(path: Path) -> None:
+    write(path, pa.table(rows(4)).drop_columns(["data_source"]))
+
+
 PLANTS = {
     "missing": (lambda path: path.unlink(), "does not exist"),
     "garbage": (plant_garbage, "is not a readable parquet file (ArrowInvalid: "),
@@ -155,6 +173,8 @@ PLANTS = {
     "binary-prompt": (plant_binary_prompt, "row 0 of column prompt holds a message content stored as bytes"),
     "string-prompt": (plant_string_prompt, "row 0 of column prompt holds a str, not a non-empty list"),
     "no-ground-truth": (plant_no_ground_truth, "row 0 of column reward_model has no ground_truth"),
+    "a-folder": (plant_folder, "is not a file"),
+    "no-data-source": (plant_no_data_source, "has no column data_source"),
 }
 
 
@@ -213,6 +233,8 @@ def test_the_driver_checks_the_data_of_a_real_run_before_ray(tmp_path, monkeypat
     from recipe.gtpo.main_gtpo import prepare_config
 
     monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
+    # backend=cpu_tiny's device stays cpu whatever platform verl detected first in this process (CUDA's, alone)
+    monkeypatch.setattr("recipe.gtpo.main_gtpo.auto_set_device", lambda config: None)
     data = data_overrides(tmp_path)
     plant_garbage(tmp_path / "val.parquet")
     prepare_config(compose(["backend=cpu_tiny", *data]), dry_run=True)
@@ -272,3 +294,31 @@ def test_the_pooled_grader_spends_one_budget_on_30_slow_golds():
     finally:
         del pool.grade
     assert result["grade_status"] == "timeout" and len(calls) == 1 and calls[0] <= 2, (calls, time.monotonic() - t0)
+
+
+def test_the_sequences_of_a_step_may_reach_the_bound():
+    """``data.train_batch_size x rollout.n`` equal to the bound (2**20) is accepted; one prompt more is not."""
+    from gtpo.launch.value_checks import MAX_SEQUENCES_PER_STEP, check_run_values
+
+    n = MAX_SEQUENCES_PER_STEP // 32
+    check_run_values(compose(["backend=cpu_tiny", "data.train_batch_size=32", f"actor_rollout_ref.rollout.n={n}"]))
+    with pytest.raises(ValueError, match=f"data.train_batch_size=33 x actor_rollout_ref.rollout.n={n} = "):
+        check_run_values(compose(["backend=cpu_tiny", "data.train_batch_size=33", f"actor_rollout_ref.rollout.n={n}"]))
+
+
+def test_a_prompt_is_refused_from_one_token_over_the_limit(tmp_path, tokenizer_dir):
+    """The bound is exact: a prompt of exactly ``data.max_prompt_length`` tokens (as the chat template renders it)
+    passes, one limit lower it is refused, naming its length."""
+    from transformers import AutoTokenizer
+
+    prompt = [{"role": "user", "content": " ".join(["say"] * 40)}]
+    ids = AutoTokenizer.from_pretrained(tokenizer_dir).apply_chat_template(prompt, add_generation_prompt=True)
+    length = len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    write(tmp_path / "train.parquet", pa.table(rows(4, prompt=lambda i: prompt)))
+    write(tmp_path / "val.parquet", pa.table(rows(4)))
+    base = ["backend=cpu_tiny", f"data.train_files={tmp_path / 'train.parquet'}",
+            f"data.val_files={tmp_path / 'val.parquet'}", f"actor_rollout_ref.model.path={tokenizer_dir}",
+            "data.truncation=error"]  # fmt: skip
+    assert check_data(compose([*base, f"data.max_prompt_length={length}"]))
+    with pytest.raises(DataError, match=f"row 0's prompt is {length} tokens > data.max_prompt_length={length - 1}"):
+        check_data(compose([*base, f"data.max_prompt_length={length - 1}"]))

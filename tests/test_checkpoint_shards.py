@@ -433,6 +433,8 @@ def test_prepare_config_refuses_the_resume_before_ray_starts(root, monkeypatch):
     from tests.support.configs import compose, data_overrides
 
     monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)  # prepare_config sets it; restored afterwards
+    # backend=cpu_tiny's device stays cpu whatever platform verl detected first in this process (CUDA's, alone)
+    monkeypatch.setattr("recipe.gtpo.main_gtpo.auto_set_device", lambda config: None)
 
     save(root, 2, world_size=2)
     cfg = compose(["backend=cpu_tiny", "trainer.resume_mode=auto", f"trainer.default_local_dir={root}",
@@ -450,6 +452,8 @@ def test_prepare_config_reads_an_async_run_checkpoints_as_its_trainer_does(root,
     from tests.support.configs import compose, data_overrides
 
     monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
+    # backend=cpu_tiny's device stays cpu whatever platform verl detected first in this process (CUDA's, alone)
+    monkeypatch.setattr("recipe.gtpo.main_gtpo.auto_set_device", lambda config: None)
     save(root, 2, world_size=1, async_mode=True)
     save(root, 4, world_size=2)  # no transfer_queue/: not resumable by an asynchronous trainer
     data = data_overrides(root.parent / "data")

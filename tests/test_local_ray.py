@@ -162,3 +162,25 @@ def test_a_real_local_run_never_contacts_the_recorded_cluster(tmp_path, ray_host
     assert sorted(p.name for p in (home / ".ray").iterdir()) == ["auth_token"]
     assert not (private / "auth").exists()  # the token goes with the driver; the session's logs stay
     shutil.rmtree(private)
+
+
+def test_the_token_folder_is_private_too(clean_env):
+    """The token's own folder is 0700 like the run's folder around it: nobody else may list it or read the token."""
+    env: dict[str, str] = {}
+    folder = start_private_local_ray({}, env)
+    token = Path(env["RAY_AUTH_TOKEN_PATH"])
+    assert token.parent == folder / "auth" and stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+
+
+def test_a_long_temp_folder_gives_way_to_tmp(clean_env, monkeypatch):
+    """Under a job's long ``TMPDIR`` Ray's socket paths would pass 107 bytes: the run's folder goes to /tmp once the
+    folder's own path would pass 36 characters (here 45)."""
+    long = clean_env / ("x" * 10)
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    env: dict[str, str] = {}
+    folder = start_private_local_ray({}, env)
+    try:
+        assert folder.parent == Path("/tmp") and env["RAY_TMPDIR"] == str(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

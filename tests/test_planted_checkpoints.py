@@ -137,6 +137,37 @@ def test_the_driver_refuses_a_planted_file_before_ray_starts(run, plant):
     assert marker.exists()
 
 
+def test_the_entry_point_refuses_it_in_one_line_with_exit_2(run, tmp_path):
+    """Review row 35: ``python -m recipe.gtpo.main_gtpo ... trainer.resume_from_path=<a folder others may write>`` was
+    refused before Ray but as a 17-frame traceback. Now: exit 2, one line naming the file, no traceback, no Ray."""
+    import subprocess
+    import sys
+
+    from tests.support.configs import REPO_ROOT, data_overrides
+
+    _, step, marker = run
+    planted, why = plant_open_shard(step, marker)
+    import gtpo.cpu
+
+    # the CPU backend's environment, as its launchers give it (without it verl's platform is CUDA's)
+    env = {k: v for k, v in os.environ.items() if k not in ("GTPO_TRACEBACK", "DRY_RUN") and not k.startswith("RAY_")}
+    env = gtpo.cpu.env(base=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe.gtpo.main_gtpo", "backend=cpu_tiny", *data_overrides(tmp_path / "data"),
+         "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step}", f"hydra.run.dir={tmp_path}/hydra"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("gtpo:")]
+    assert (
+        len(said) == 1
+        and said[0].startswith("gtpo: invalid configuration: cannot resume: ")
+        and f"{planted}: {why}" in said[0]
+    )
+    assert "Traceback" not in proc.stderr and "starting a new local Ray cluster" not in proc.stderr
+    assert not marker.exists()
+
+
 class FakeWorkers:
     """``actor_rollout_ref`` worker group whose ``load_checkpoint`` is what each FSDP worker runs: verl's
     ``FSDPCheckpointManager.load_checkpoint`` (as the plugin installs it) on the rank's manager."""
@@ -308,3 +339,165 @@ def test_the_recipes_own_loads_read_data_only(tmp_path, capsys):
     with pytest.raises(RuntimeError, match=f"{shard} cannot be read as a torch.save file \\(UnpicklingError"):
         _checkpoint_is_lora(str(folder / "actor"), 2)
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------------------- verl's rollout cache
+
+
+def test_a_rollout_cache_others_could_write_is_refused_before_ray(tmp_path):
+    """verl's rollout cache (``skip.rollout_tq``): a later run's TaskRunner loads the batches it finds under
+    ``dump_dir`` with ``torch.load(weights_only=False)``. An enabled cache holding a file others may write, or under a
+    folder everyone may write, is refused by the driver before Ray starts (``prepare_launch``), in one line naming
+    the key or the file; the payload never runs. A private cache, or one not enabled, is accepted."""
+    from gtpo.launch.checks import check_config, prepare_launch
+    from tests.support.configs import compose, data_overrides
+
+    data = data_overrides(tmp_path / "data")
+    marker = tmp_path / "PAYLOAD_RAN"
+    cache = tmp_path / "cache"
+    batch = cache / "exp_proj" / "GBS8_N2_in8_out8" / "1" / "0"
+    batch.mkdir(parents=True)
+    planted = write_payload(batch / "tq_batch.pt", marker)
+    planted.chmod(0o666)
+
+    def launch(dump_dir: Path, enable: bool = True) -> None:
+        config = compose(["backend=cpu_tiny", *data, f"skip.rollout_tq.enable={enable}",
+                          f"skip.rollout_tq.dump_dir={dump_dir}"])  # fmt: skip
+        prepare_launch(config, check_config(config), environ={})
+
+    with pytest.raises(ValueError) as err:
+        launch(cache)
+    assert f"a file of the rollout cache={planted}: mode 0666 lets group or others write it" in str(err.value)
+    assert "\n" not in str(err.value) and not marker.exists()
+    launch(cache, enable=False)  # verl's default: nothing is read from it
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    open_parent.chmod(0o777)
+    expect = f"skip.rollout_tq.dump_dir={open_parent / 'cache'}: the folder above it, {open_parent}, is writable by"
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        launch(open_parent / "cache")  # not made yet: anyone could make it first
+    planted.chmod(0o600)
+    launch(cache)
+    assert not marker.exists()
+    verls_load(planted)  # the payload is live: verl's own load would have run it
+    assert marker.exists()
+
+
+# ------------------------------------------------------------------------------------ the guard's corner cases
+
+
+def test_a_checkpoint_file_that_is_no_regular_file_is_refused(run):
+    """A FIFO named ``data.pt`` (this user's, private) would block verl's ``torch.load`` forever: refused by name."""
+    root, step, _ = run
+    (step / "data.pt").unlink()
+    os.mkfifo(step / "data.pt", 0o600)
+    with pytest.raises(ResumeRefused, match=re.escape(f"a file of the checkpoint={step / 'data.pt'}: not a regular")):
+        check_world_size_before_launch(
+            trainer_cfg(root, resume_mode="resume_path", resume_from_path=str(step)), CheckpointLayout()
+        )
+
+
+def test_a_folder_everyone_may_write_above_the_real_path_is_refused(tmp_path):
+    """``resume_from_path`` through a symlink in a folder above it: the path as written crosses no open folder, the
+    real one does (``open/`` 0777 above ``open/sub/ckpt``); judged on both, it is refused, also by the reshard."""
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    (open_dir / "sub").mkdir(mode=0o755)
+    root = open_dir / "sub" / "ckpt"
+    root.mkdir(mode=0o700)
+    step = save(root, 2, world_size=1)
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    (mine / "link").symlink_to(open_dir / "sub")
+    named = mine / "link" / "ckpt" / "global_step_2"
+    expect = re.escape(f"{open_dir}, is writable by everyone without the sticky bit (mode 0777)")
+    cfg = trainer_cfg(root, resume_mode="resume_path", resume_from_path=str(named))
+    with pytest.raises(ResumeRefused, match=expect):
+        check_world_size_before_launch(cfg, CheckpointLayout())
+    assert step.is_dir()
+
+
+@pytest.mark.parametrize("how", ["resume_path", "reshard"])
+def test_a_named_checkpoint_under_a_folder_everyone_may_write_is_refused(tmp_path, capsys, how):
+    """Named directly (``resume_path``, the reshard's ``--from``), not found under ``default_local_dir``: the folders
+    above it are judged too."""
+    parent = tmp_path / "open"
+    parent.mkdir()
+    parent.chmod(0o777)
+    expect = f"{parent}, is writable by everyone without the sticky bit (mode 0777)"
+    if how == "reshard":
+        folder = two_rank_checkpoint(parent / "global_step_2", tmp_path / "PAYLOAD_RAN")
+        rc, err = reshard("--from", str(folder), "--world-size", "1", capsys=capsys)
+        assert rc == 2 and expect in err
+        return
+    root = parent / "ckpt"
+    root.mkdir(mode=0o700)
+    step = save(root, 2, world_size=1)
+    with pytest.raises(ResumeRefused, match=re.escape(expect)):
+        check_world_size_before_launch(
+            trainer_cfg(tmp_path / "unused", resume_mode="resume_path", resume_from_path=str(step)), CheckpointLayout()
+        )
+
+
+def test_an_empty_checkpoint_folder_under_a_folder_everyone_may_write_is_refused(tmp_path):
+    """``default_local_dir`` made (by the preflight or a first run) under an open folder, with nothing to resume yet:
+    refused before Ray all the same, as the preflight refuses it; the run's own saves would land where anyone can
+    swap them."""
+    parent = tmp_path / "open"
+    parent.mkdir()
+    parent.chmod(0o777)
+    root = parent / "ckpt"
+    root.mkdir(mode=0o700)
+    with pytest.raises(ResumeRefused, match=re.escape(f"trainer.default_local_dir={root}: the folder above it")):
+        check_world_size_before_launch(trainer_cfg(root), CheckpointLayout())
+
+
+def test_the_trainer_checks_again_after_the_world_size_step(run, monkeypatch):
+    """What happens to the folder while the trainer matches the world size (a reshard may take minutes) is checked
+    right before verl's loads: a shard made writable by others meanwhile is refused, nothing loaded."""
+    from gtpo.trainer.resume import hooks
+
+    root, step, marker = run
+    shard = step / "actor" / "model_world_size_1_rank_0.pt"
+    real_match = hooks.match_resume_world_size
+
+    def match_then_planted(folder, config, layout):
+        result = real_match(folder, config, layout)
+        write_payload(shard, marker).chmod(0o666)  # the swap, after the first check passed
+        return result
+
+    monkeypatch.setattr(hooks, "match_resume_world_size", match_then_planted)
+    trainer = trainer_at(root)
+    with pytest.raises(RuntimeError, match=re.escape(f"{shard}: mode 0666 lets group or others write it")):
+        trainer._load_checkpoint()
+    assert not marker.exists() and trainer.actor_rollout_wg.loaded == []
+
+
+def test_the_recipes_own_reads_check_each_file_first(tmp_path):
+    """The LoRA probe's read of a shard another user could write is refused by name before anything is read, even
+    when the folder check before it was skipped or raced."""
+    from gtpo.trainer.resume.checkpoint_world_size import _checkpoint_is_lora
+
+    folder = two_rank_checkpoint(tmp_path / "run" / "global_step_2", tmp_path / "PAYLOAD_RAN")
+    shard = folder / "actor" / "model_world_size_2_rank_0.pt"
+    shard.chmod(0o666)
+    with pytest.raises(RuntimeError, match=re.escape(f"{shard}: mode 0666 lets group or others write it")):
+        _checkpoint_is_lora(str(folder / "actor"), 2)
+
+
+def test_the_trainer_checks_the_folder_before_the_world_size_step(tmp_path):
+    """A checkpoint of another world size with a file others may write: the trainer refuses it for that file before
+    it looks at the world size (no reshard renames anything in it, no refusal about the size hides the real one)."""
+    from omegaconf import OmegaConf
+
+    root = tmp_path / "ckpt"
+    root.mkdir(mode=0o700)
+    step = save(root, 2, world_size=2)
+    shard = write_payload(step / "actor" / "model_world_size_2_rank_0.pt", tmp_path / "PAYLOAD_RAN")
+    shard.chmod(0o666)
+    trainer = trainer_at(root)
+    trainer.config.algorithm = OmegaConf.create({"resume": {"other_world_size": "refuse"}})
+    with pytest.raises(RuntimeError, match=re.escape(f"cannot resume: a file of the checkpoint={shard}: mode 0666")):
+        trainer._load_checkpoint()
+    assert not (tmp_path / "PAYLOAD_RAN").exists() and trainer.actor_rollout_wg.loaded == []

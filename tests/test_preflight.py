@@ -358,7 +358,7 @@ def test_checkpoint_dir_others_could_plant_files_in_fails(compose, layout, tmp_p
     assert os.path.lexists(ckpts) == existed and not list(ckpts.glob(".preflight-*"))  # nothing made there
 
 
-@pytest.mark.parametrize("shared_mode", [0o1777, 0o2770, 0o777], ids=["sticky", "project-group", "open"])
+@pytest.mark.parametrize("shared_mode", [0o1777, 0o2770], ids=["sticky", "project-group"])
 def test_checkpoint_dir_under_a_shared_folder_is_made_private(compose, layout, tmp_path, shared_mode):
     """A missing folder under a shared one (a sticky scratch, a group project folder) is created private: made
     under the launchers' umask 077 it is 0700, and the line says so. (A folder swapped in by someone else later is
@@ -374,6 +374,18 @@ def test_checkpoint_dir_under_a_shared_folder_is_made_private(compose, layout, t
     mode = "2700" if shared_mode & 0o2000 else "0700"  # a setgid parent passes its setgid bit on (no write)
     assert f"[preflight] ok   checkpoint dir: {ckpts} writable, private (uid 0, mode {mode})" in lines
     assert (ckpts.stat().st_mode & 0o777, (sticky / "me").stat().st_mode & 0o777) == (0o700, 0o700)
+
+
+def test_checkpoint_dir_under_a_folder_everyone_may_write_fails(compose, layout, tmp_path):
+    """Under a folder everyone may write without the sticky bit anyone could rename the checkpoint folder away and
+    put theirs in its place: the preflight refuses it as the driver and the trainer do before a resume (it passed
+    here before and the run was refused after Ray and every worker had started), and makes nothing there."""
+    scratch = _plant(tmp_path / "scratch", 0o777)
+    ckpts = scratch / "me" / "run"
+    rc, lines = run(compose(layout, f"trainer.default_local_dir={ckpts}"), FakeCluster())
+    line = _fail_line(lines, "checkpoint dir")
+    assert rc == 1 and f"trainer.default_local_dir={ckpts}: the folder above it, {scratch}, is writable" in line
+    assert not (scratch / "me").exists()
 
 
 @pytest.mark.parametrize(

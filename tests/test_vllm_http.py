@@ -81,6 +81,8 @@ def test_the_entry_point_puts_it_into_the_runtime_env(monkeypatch):
     from tests.support.configs import compose
 
     monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)  # prepare_config sets it; restored afterwards
+    # backend=cpu_tiny's device stays cpu whatever platform verl detected first in this process (CUDA's, alone)
+    monkeypatch.setattr("recipe.gtpo.main_gtpo.auto_set_device", lambda config: None)
     cfg = compose(["backend=cpu_tiny"])
     prepare_config(cfg, dry_run=True)
     env_vars = cfg.ray_kwargs.ray_init.runtime_env.env_vars

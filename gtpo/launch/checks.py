@@ -27,7 +27,8 @@ from gtpo.methods import ENTROPY, KNOBS, METHODS, entropy_available, fields_need
 from gtpo.tools.config import check_multi_turn
 
 __all__ = ["Checked", "ResumeRefused", "check_config", "check_cpu_backend", "check_overlong_shaping",
-           "check_evaluation_apart", "check_world_size_before_launch", "prepare_launch", "reshard_evaluation_copy",
+           "check_evaluation_apart", "check_rollout_caches", "check_world_size_before_launch", "prepare_launch",
+           "reshard_evaluation_copy",
            "validate_recipe_config"]  # fmt: skip
 
 # Attention implementations verl's Ulysses all-to-all wraps, and the CPU backend's SDPA that does the same.
@@ -39,6 +40,8 @@ MODULE_PACKAGES = {"cupy": "cupy-cuda13x", "nixl": "nixl", "mooncake": "mooncake
 # The CPU test backend's package; the config key of the environment verl's Ray processes get.
 CPU_BACKEND_PACKAGE = "gtpo.cpu"
 RUNTIME_ENV_VARS_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"
+# verl's rollout caches (``skip.<name>``): what one run dumps there, a later one loads with torch.load (code).
+ROLLOUT_CACHES = ("rollout", "rollout_tq", "async_rollout")
 
 
 def _get(config: Any, key: str, default: Any = None) -> Any:
@@ -569,10 +572,32 @@ def check_world_size_before_launch(config: Any, layout: Any) -> str | None:
     return folder
 
 
+def check_rollout_caches(config: Any) -> None:
+    """Refuse the ``skip.<name>.dump_dir`` of an enabled rollout cache (``ValueError``, one line naming the key)
+    unless nobody else could have written into it or swap it (:func:`gtpo.private_files.check_private_tree`; a
+    folder not made yet: the folders above it): verl's TaskRunner loads the batches it finds there with
+    ``torch.load(weights_only=False)`` (``verl/utils/skip/rollout_skip.py``), which runs whatever a planted file
+    holds."""
+    from gtpo.private_files import check_private_tree, check_unswappable_parents
+
+    for name in ROLLOUT_CACHES:
+        if not _get(config, f"skip.{name}.enable", False):
+            continue
+        key = f"skip.{name}.dump_dir"
+        folder = os.path.abspath(os.path.expanduser(str(_get(config, key))))
+        try:
+            if os.path.lexists(folder):
+                check_private_tree(folder, key, kind="rollout cache")
+            else:
+                check_unswappable_parents(folder, key)
+        except OSError as err:
+            raise ValueError(str(err)) from None
+
+
 def prepare_launch(config: DictConfig, checked: Checked, environ: Mapping[str, str] | None = None) -> None:
     """A real run's checks that read this machine, after :func:`check_config`: the checkpoint engine, the data
-    (:func:`gtpo.launch.data_checks.check_data`), the checkpoint a resume would load, then this run's record in the
-    checkpoint folder when it will save there."""
+    (:func:`gtpo.launch.data_checks.check_data`), the rollout caches verl would load (:func:`check_rollout_caches`),
+    the checkpoint a resume would load, then this run's record in the checkpoint folder when it will save there."""
     from gtpo.launch.data_checks import check_data
     from gtpo.launch.runs import run_identity, write_record
     from gtpo.trainer.resume.checkpoints import layout_of
@@ -580,6 +605,7 @@ def prepare_launch(config: DictConfig, checked: Checked, environ: Mapping[str, s
     environ = os.environ if environ is None else environ
     check_checkpoint_engine(checked.config)
     check_data(checked.config)
+    check_rollout_caches(checked.config)
     async_mode = verl_mode(str(config.trainer.v1.trainer_mode)) != "sync"
     layout = layout_of(config, checked.use_critic, async_mode)
     reshard_evaluation_copy(config, layout)

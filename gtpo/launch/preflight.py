@@ -26,8 +26,8 @@ run will meet, one line per check, stopping at the first failure (exit status 1)
    whichever node it starts, so the log is lost with the session and a resume finds no history to keep;
 7. ``checkpoint cadence``: ``trainer.save_freq > 0`` (a Slurm time limit or a crash otherwise loses every step);
 8. ``checkpoint dir``: ``trainer.default_local_dir`` is writable here (a token file is written, removed at the end)
-   and nobody else can plant files in it: this user's, not writable by group or others, no symlink, and its parent
-   not writable by group or others without the sticky bit (verl loads checkpoints with ``torch.load``, which runs
+   and nobody else can plant files in it: this user's, not writable by group or others, no symlink, and no folder
+   above it writable by everyone without the sticky bit (verl loads checkpoints with ``torch.load``, which runs
    code; :func:`gtpo.launch.preflight_checks.check_checkpoint_dir`);
 9. ``ray cluster``: the GPU nodes and their GPUs match ``trainer.nnodes`` x ``trainer.n_gpus_per_node``, plus
    ``actor_rollout_ref.rollout.nnodes`` x ``n_gpus_per_node`` under separate_async, no node on a loopback address

@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from gtpo.private_files import check_private_dir
+from gtpo.private_files import check_private_dir, check_unswappable_parents
 
 __all__ = ["PreflightError", "as_list", "check_checkpoint_dir", "check_config", "check_model", "check_overlong",
            "check_data_files", "check_run_length", "check_trackers", "log_dir_warnings",
@@ -223,11 +223,16 @@ def check_checkpoint_dir(path: Path) -> str:
     ``torch.load(weights_only=False)``, which runs code. Returns the ``ok`` detail.
 
     An existing ``trainer.default_local_dir`` must be a real folder (no symlink) of this user's that neither group
-    nor others may write (:func:`gtpo.private_files.check_private_dir`). Its parent is not judged: shared project
-    folders are often group-writable, and a folder someone swapped in for this one would be theirs, which this check
-    (and the driver's before a resume) refuses.
+    nor others may write (:func:`gtpo.private_files.check_private_dir`). Of the folders above it, only one everyone
+    may write without the sticky bit is refused (:func:`gtpo.private_files.check_unswappable_parents`, as the driver
+    and the trainer refuse it before a resume): anyone could rename this one away and put theirs in its place. A
+    group-writable project folder is accepted: a folder a group member swapped in would be theirs, which is refused.
     """
     path = Path(os.path.abspath(path))
+    try:
+        check_unswappable_parents(path, "trainer.default_local_dir")
+    except OSError as err:
+        raise PreflightError("checkpoint dir", str(err)) from None
     parent = path.parent
     while not os.path.lexists(parent) and parent != parent.parent:
         parent = parent.parent
