@@ -118,7 +118,6 @@ def verl_policy_loss(method: Method):
     # imported here, not with the module: verl's package import loads the registration, which imports this module
     from verl.trainer.ppo.core_algos import agg_loss
 
-
     def policy_loss(
         old_log_prob: torch.Tensor,
         log_prob: torch.Tensor,
