@@ -64,6 +64,10 @@ CPU_ONLY = {
     "actor_rollout_ref.model.lora_alpha": "as lora_rank",
     "actor_rollout_ref.actor.optim.lr": "learning rate: the adapters' (adapter=lora); the LoRA runs set their own",
     "actor_rollout_ref.rollout.layered_summon": "LoRA's layer-by-layer adapter gather: as lora_rank",
+    "actor_rollout_ref.actor.checkpoint.save_lora_only": "LoRA's adapters-only checkpoints: as lora_rank",
+    "algorithm.hardware.gpu_memory_gib": (
+        "the GPUs a preset is sized for, read only by the dry run's per-pass GPU peak; the CPU backend has no GPU"
+    ),
     "actor_rollout_ref.rollout.load_format": (
         "vLLM's start-up weights: the CPU backend starts vLLM on dummy weights and verl's first sync sends the base "
         "(tests/test_e2e_lora.py checks it loads once); the LoRA preset has vLLM read them from the model folder"
