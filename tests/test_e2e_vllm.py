@@ -73,6 +73,8 @@ CPU_REPLACED = {
     # GPU counts and the CPU platform (configs/backend/cpu_tiny.yaml says why for each)
     "trainer.n_gpus_per_node": "GPU count",
     "trainer.nnodes": "GPU count",
+    "actor_rollout_ref.rollout.n_gpus_per_node": "GPU count",
+    "actor_rollout_ref.rollout.prometheus.served_model_name": "tiny model (vLLM serves it under its path)",
     "trainer.device": "CPU platform",
     "ray_kwargs": "one machine, fake GPU",
     "transfer_queue.backend.SimpleStorage.num_data_storage_units": "one machine",
@@ -167,12 +169,21 @@ def _dry_config(tmp: Path, assets, args: list[str], extra_env: dict[str, str] | 
 def test_launcher_rollout_settings_run_on_cpu_with_the_async_pause(ray_cluster, ray_session, demo_assets, tmp_path):
     from gtpo.cpu import env as cpu_env
 
-    launcher = _flatten(_dry_config(tmp_path, demo_assets, LAUNCHER_ARGS))
+    # the launcher's own settings, on a folder named as its model (the launcher refuses the tiny model's config.json
+    # for the 7B preset; the CPU run below names the CPU backend, which runs the tiny model by design)
+    (tmp_path / "Qwen2.5-7B").mkdir()
+    launcher = _flatten(
+        _dry_config(
+            tmp_path, demo_assets, LAUNCHER_ARGS, {"MODEL_PATH": str(tmp_path / "Qwen2.5-7B"), "NGPUS_PER_NODE": "8"}
+        )
+    )
     # The launcher's vLLM settings, passed through after the backend preset (whose test sampling, n=4, gives way).
     vllm_as_set = [f"{k}={_hydra(launcher[k])}" for k in (f"actor_rollout_ref.rollout.{key}" for key in VLLM_AS_SET)]
     run_args = [*LAUNCHER_ARGS, *cpu_args(demo_assets), *vllm_as_set]
     # at the real run's two ranks: Ulysses 2 needs them
-    cpu_run = _flatten(_dry_config(tmp_path, demo_assets, run_args, {"NNODES": "2", "ALLOW_HOME_PATHS": "1"}))
+    cpu_run = _flatten(
+        _dry_config(tmp_path, demo_assets, run_args, {**cpu_env(), "NNODES": "2", "ALLOW_HOME_PATHS": "1"})
+    )
     differing = sorted(
         k for k in set(launcher) | set(cpu_run) if launcher.get(k, "<absent>") != cpu_run.get(k, "<absent>")
     )

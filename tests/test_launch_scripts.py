@@ -470,11 +470,11 @@ def test_a_run_folder_holding_another_method_is_refused_by_name(tmp_path):
 def test_the_run_record_is_checked_and_written_by_the_entry_points_checks(tmp_path, monkeypatch):
     """check_config refuses an ablation in the baseline's folder; prepare_launch (a real run) writes the record."""
     import gtpo.verl_plugin.register  # noqa: F401
-    from gtpo.launch import checks
+    from gtpo.launch import data_checks
     from gtpo.launch.checks import check_config, prepare_launch
 
     # the run's data files are not here: their checks are tests/test_bad_values.py's
-    monkeypatch.setattr(checks, "check_data", lambda config: None)
+    monkeypatch.setattr(data_checks, "check_data", lambda config: None)
     from gtpo.launch.runs import recorded_run
 
     base = planned(["gtpo", "qwen2.5_7b"], tmp_path, CKPTS_DIR=str(tmp_path / "run"))
