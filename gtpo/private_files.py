@@ -41,17 +41,19 @@ def looks_secret(name: str) -> bool:
     return _SECRET_NAME.search(name) is not None
 
 
-def _why_not_private(st: os.stat_result, kind: str = "folder") -> tuple[str, str] | None:
-    """(what is wrong, the fix), or None for a private folder (or file: ``kind``)."""
+def _refuse_unless_private(st: os.stat_result, path: Path, what: str, kind: str, consequence: str) -> None:
+    """Raise PermissionError (what is wrong; ``consequence``; the fix) unless ``st`` is owned by this user and neither
+    group nor others may write the folder or file (``kind``) at ``path``."""
     if st.st_uid != os.getuid():
-        return (
-            f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()}; mode {stat.S_IMODE(st.st_mode):04o})",
-            f"use a {kind} of your own",
-        )
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problem = f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()}; mode {stat.S_IMODE(st.st_mode):04o})"
+        fix = f"use a {kind} of your own"
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         into = "into it" if kind == "folder" else "it"
-        return f"mode {stat.S_IMODE(st.st_mode):04o} lets group or others write {into} (uid {st.st_uid})", "chmod go-w"
-    return None
+        problem = f"mode {stat.S_IMODE(st.st_mode):04o} lets group or others write {into} (uid {st.st_uid})"
+        fix = f"chmod go-w {path}"
+    else:
+        return
+    raise PermissionError(f"{what}={path}: {problem}; {consequence}: {fix}")
 
 
 def check_private_dir(path: str | os.PathLike, what: str) -> Path:
@@ -66,11 +68,7 @@ def check_private_dir(path: str | os.PathLike, what: str) -> Path:
         raise PermissionError(f"{what}={path}: a symbolic link (to {os.readlink(path)}); give the real folder")
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(f"{what}={path}: not a directory")
-    why = _why_not_private(st)
-    if why:
-        problem, fix = why
-        fix = f"chmod go-w {path}" if fix == "chmod go-w" else fix
-        raise PermissionError(f"{what}={path}: {problem}; files planted there would be loaded as code: {fix}")
+    _refuse_unless_private(st, path, what, "folder", "files planted there would be loaded as code")
     return path
 
 
@@ -89,11 +87,7 @@ def check_private_file(path: str | os.PathLike, what: str) -> Path:
         )
     if not stat.S_ISREG(st.st_mode):
         raise PermissionError(f"{what}={path}: not a regular file (mode {stat.filemode(st.st_mode)})")
-    why = _why_not_private(st, "file")
-    if why:
-        problem, fix = why
-        fix = f"chmod go-w {path}" if fix == "chmod go-w" else fix
-        raise PermissionError(f"{what}={path}: {problem}; a file others may write would be loaded as code: {fix}")
+    _refuse_unless_private(st, path, what, "file", "a file others may write would be loaded as code")
     return path
 
 
