@@ -180,14 +180,15 @@ def job_processes(job_id: str) -> list[int]:
 
 
 def restart_now(slurm: LocalSlurm, job_id: str, timeout: float = 120.0, time_limit: int | None = None) -> None:
-    """Wait until the job is requeued (pending again) and every process of its previous run has ended, then move its
-    start to now (Slurm holds it ~2 minutes), with ``time_limit`` minutes if given.
+    """Wait until the job is requeued (pending again, its restart count above zero: a job waiting for its first start
+    is pending too) and every process of its previous run has ended, then move its start to now (Slurm holds it ~2
+    minutes), with ``time_limit`` minutes if given.
 
     The previous run's Ray head must be gone before the next binds the same port, however long its processes take
     to stop on a loaded machine: the test decides by their absence, not by a delay. The requeue revokes the old
     run's job credential, and slurmd refuses a new credential issued in the same second ("Killing non-startable batch
     JobId=N: Job credential revoked", the job then FAILED): the start waits for the next whole second plus one."""
-    slurm.wait_for_state(job_id, {"PENDING"}, timeout)
+    slurm.wait_for_state(job_id, {"PENDING"}, timeout, min_restarts=1)
     deadline = time.monotonic() + 300  # a bound for the failure message only
     while (left := job_processes(job_id)) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -262,9 +263,6 @@ def test_a_crashed_driver_is_not_requeued(slurm, tmp_path):
     assert "scontrol requeue" not in _read(tmp_path / "job.out")
 
 
-# Slow tier until it passes: at this code the first run trains all five steps instead of stopping after step 1 for
-# its deadline (a job end read from squeue less than margin_s away), so the stop by deadline is not shown here.
-@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_shortened_time_limit_saves_requeues_and_resumes(slurm, ray_cluster, tmp_path):
     """The CPU trainer at world size two under colocate_async, stopped by its deadline, requeued and resumed.

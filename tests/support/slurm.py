@@ -126,15 +126,17 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             fields.setdefault(key, value)
         return fields
 
-    def wait_for_state(self, job_id: str, states: set[str], timeout: float) -> dict[str, str]:
+    def wait_for_state(self, job_id: str, states: set[str], timeout: float, min_restarts: int = 0) -> dict[str, str]:
+        """The job's fields once it is in one of ``states`` having been requeued at least ``min_restarts`` times (a
+        job waiting for its first start is PENDING too)."""
         deadline = time.monotonic() + timeout
         fields = {}
         while time.monotonic() < deadline:
             fields = self.job(job_id)
-            if fields.get("JobState") in states:
+            if fields.get("JobState") in states and int(fields.get("Restarts") or 0) >= min_restarts:
                 return fields
             time.sleep(0.5)
-        raise TimeoutError(f"job {job_id} not in {states} after {timeout} s: {fields}")
+        raise TimeoutError(f"job {job_id} not in {states} after {min_restarts}+ restarts in {timeout} s: {fields}")
 
     def stop(self) -> None:
         self.run("scancel", "--full", "--user=root", check=False)
