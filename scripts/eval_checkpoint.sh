@@ -16,8 +16,9 @@
 # training: its name is <run>-eval-step<N> (EXP_NAME), and its folder (EVAL_DIR, default <run folder>-eval-step<N>
 # beside the run's folder; the evaluation's CKPTS_DIR, metric log, TensorBoard and W&B folders) lies outside the
 # run's folder, so it never writes into, moves or prunes anything of the run (the driver refuses an EVAL_DIR inside
-# it). On another cluster shape than the one that trained it, the checkpoint is resharded into a copy in EVAL_DIR
-# (<EVAL_DIR>/resharded/global_step_<N>), never in place.
+# it). It needs a Ray cluster of its own: the driver refuses one another verl run is on (verl's TransferQueue is one
+# per cluster). On another cluster shape than the one that trained it, the checkpoint is resharded into a copy in
+# EVAL_DIR (<EVAL_DIR>/resharded/global_step_<N>), never in place.
 # A LoRA checkpoint: the launcher that trained it (scripts/run_gtpo_qwen2.5_<size>_lora.sh, or scripts/run.sh METHOD
 # MODEL adapter=lora) loads base and adapters as its resume does and sends the adapters to vLLM before validating.
 # EVAL_DIR must be readable here after the run: with job submission (RAY_ADDRESS=http://...) put it on storage this

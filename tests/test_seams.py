@@ -731,6 +731,27 @@ PINS: tuple[Pin, ...] = (
         kind="file",
     ),
     Pin(
+        "one-run-per-cluster",
+        "gtpo/launch/local_ray.py",
+        "transfer_queue.interface:init",
+        "4a75f86c544eea7e23fcc14d9acad0e84c461984a4ad5474b309b85ad1368942",
+        "TransferQueue",
+    ),
+    Pin(
+        "one-run-per-cluster",
+        "gtpo/launch/local_ray.py",
+        "transfer_queue.interface:_init_from_existing",
+        "ed43e32c550d3e6fb3f95ba8fb84a0d6f2c0568100568e9858a2b34381a3cf75",
+        "TransferQueue",
+    ),
+    Pin(
+        "one-run-per-cluster",
+        "gtpo/launch/local_ray.py",
+        "transfer_queue.interface:close",
+        "476c50fda67c740b0b5b7ef6b8a1ed17de25c4fd67dd6cd97be31386115798ce",
+        "TransferQueue",
+    ),
+    Pin(
         "stop-channel-kv",
         "gtpo/trainer/preemption/channel.py",
         "ray.experimental.internal_kv:_internal_kv_put",

@@ -13,7 +13,9 @@ umask. Such a run instead gets, in its driver's environment before ``ray.init``:
   value is dropped), removed when the driver exits; the session's logs stay.
 
 A run that names a cluster (``RAY_ADDRESS=<ip>:<port>``, ``ray_kwargs.ray_init.address``) joins it with that
-cluster's token (:mod:`gtpo.launch.ray_auth`).
+cluster's token (:mod:`gtpo.launch.ray_auth`), unless another verl run is on it (:func:`refuse_a_cluster_in_use`):
+verl 0.9.1's TransferQueue keeps one controller per Ray cluster, which a second run would share and, at its end,
+kill (seam ``one-run-per-cluster``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ from typing import Any
 
 from gtpo.private_files import ray_token_env, write_ray_token
 
-__all__ = ["names_a_cluster", "start_private_local_ray"]
+__all__ = ["ClusterInUseError", "names_a_cluster", "refuse_a_cluster_in_use", "start_private_local_ray"]
+
+# TransferQueue's controller: one named actor per Ray cluster, in a namespace of its own (transfer_queue.interface).
+TQ_CONTROLLER_NAME, TQ_NAMESPACE = "TransferQueueController", "transfer_queue"
 
 # Ray's socket paths (<folder>/ray/session_<date>_<time>_<us>_<pid>/sockets/plasma_store) must fit in 107 bytes.
 MAX_FOLDER_CHARS = 36
@@ -79,3 +84,35 @@ def _reload_ray_auth() -> None:
 
     _enable_token_auth()
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+class ClusterInUseError(RuntimeError):
+    """The Ray cluster a run joined holds another verl run's TransferQueue."""
+
+
+def refuse_a_cluster_in_use() -> None:
+    """Raise :class:`ClusterInUseError` when the Ray cluster this driver joined already holds TransferQueue's
+    controller, i.e. another verl run (a training job, an evaluation) lives on it.
+
+    verl's TaskRunner calls ``tq.init``, which attaches to a controller it finds instead of starting its own (the two
+    runs' batches then meet in one store), and ``tq.close`` at its end, which ``ray.kill``-s that controller: the
+    other run waits at its next step for good (seam ``one-run-per-cluster``). Called after ``ray.init`` and before
+    the TaskRunner exists, so nothing of either run has been touched."""
+    import ray
+
+    try:
+        controller = ray.get_actor(TQ_CONTROLLER_NAME, namespace=TQ_NAMESPACE)
+    except ValueError:
+        return
+    try:
+        ray.get(controller.get_config.remote(), timeout=60)
+    except ray.exceptions.RayActorError:
+        return  # the controller of a run that has ended, going with it: nothing left to share or stop
+    except ray.exceptions.GetTimeoutError:
+        pass  # alive, busy serving its run
+    address = ray.get_runtime_context().gcs_address
+    raise ClusterInUseError(
+        f"the Ray cluster at {address} runs another verl job (TransferQueue's controller, one per cluster, is on it): "
+        "this run would share its data store and, ending, stop that job; run it on a cluster of its own (no "
+        "RAY_ADDRESS: a private local one; on Slurm or KubeRay its own job)"
+    )

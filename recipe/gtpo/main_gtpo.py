@@ -27,7 +27,7 @@ from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
 from verl.utils.device import auto_set_device
 
 from gtpo.launch.launcher import PLUGIN_MODULE
-from gtpo.launch.local_ray import start_private_local_ray
+from gtpo.launch.local_ray import ClusterInUseError, refuse_a_cluster_in_use, start_private_local_ray
 from gtpo.launch.submit import LOG_DIR_VARS
 from gtpo.methods import knob
 from gtpo.trainer.guard.watchdog import EXIT_CODE as STALLED_EXIT
@@ -183,7 +183,9 @@ class HandlersAfterRayInit:
 
     ``run_ppo`` creates the runner (``.remote()``, or ``.options(...).remote()`` under nsys) right after its
     ``ray.init``, which replaces SIGTERM's handler with one that exits the driver at once, and before it waits on
-    the run: the handlers set here are the ones in place while the driver waits.
+    the run: the handlers set here are the ones in place while the driver waits. It is also the first moment the
+    driver is on the cluster and no TaskRunner exists: a cluster another verl run lives on is refused there
+    (:func:`gtpo.launch.local_ray.refuse_a_cluster_in_use`).
     """
 
     def __init__(self, actor_class, relay: DriverRelay):
@@ -194,6 +196,7 @@ class HandlersAfterRayInit:
         return HandlersAfterRayInit(self.actor_class.options(**kwargs), self.relay)
 
     def remote(self, *args, **kwargs):
+        refuse_a_cluster_in_use()
         self.relay.install()
         return self.actor_class.remote(*args, **kwargs)
 
@@ -207,11 +210,15 @@ def train(config: DictConfig) -> int:
 
 def run_preemptible(config: DictConfig) -> int:
     """verl's ``run_ppo`` with the stop signals relayed to the trainer; 0, :data:`PREEMPTED_EXIT` after the
-    trainer saved and stopped, or :data:`STALLED_EXIT` after the stage watchdog ended a stalled stage."""
+    trainer saved and stopped, :data:`STALLED_EXIT` after the stage watchdog ended a stalled stage, or
+    :data:`CONFIG_ERROR_EXIT` on a Ray cluster another verl run lives on."""
     relay = DriverRelay(knob(config.algorithm, "preemption"))
     relay.install()  # until verl's ray.init; HandlersAfterRayInit installs them again after it
     try:
         run_ppo(config, task_runner_class=HandlersAfterRayInit(ray.remote(GTPOTaskRunner), relay))
+    except ClusterInUseError as err:
+        print(f"gtpo: {err}", file=sys.stderr, flush=True)
+        return _exiting(CONFIG_ERROR_EXIT, "the Ray cluster runs another verl job")
     except PreemptedError as err:
         # Ray hands back the trainer's exception wrapped with its remote traceback; the message is the news
         print(str(getattr(err, "cause", err)), file=sys.stderr, flush=True)
