@@ -43,6 +43,7 @@ def _cluster(monkeypatch, controller):
     class _Context:
         gcs_address = "10.0.0.5:6379"
 
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "get_actor", get_actor)
     monkeypatch.setattr(ray, "get", get)
     monkeypatch.setattr(ray, "get_runtime_context", lambda: _Context())
@@ -95,3 +96,14 @@ def test_the_driver_exits_2_in_one_line_before_its_task_runner_exists(monkeypatc
     assert created == []
     err = capsys.readouterr().err
     assert err.splitlines()[0].startswith("gtpo: the Ray cluster at 10.0.0.5:6379 runs another verl job")
+
+
+def test_a_driver_on_no_cluster_looks_up_nothing(monkeypatch):
+    """Not initialised, ``ray.get_actor`` would start a local Ray of its own just to look."""
+
+    def get_actor(name, namespace=None):
+        raise AssertionError("looked up an actor without a cluster")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "get_actor", get_actor)
+    local_ray.refuse_a_cluster_in_use()

@@ -100,6 +100,8 @@ def refuse_a_cluster_in_use() -> None:
     the TaskRunner exists, so nothing of either run has been touched."""
     import ray
 
+    if not ray.is_initialized():
+        return  # on no cluster (and ray.get_actor would start one)
     try:
         controller = ray.get_actor(TQ_CONTROLLER_NAME, namespace=TQ_NAMESPACE)
     except ValueError:
