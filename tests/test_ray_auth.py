@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -79,10 +80,16 @@ def test_the_cluster_refuses_what_joins_without_its_token(ray_cluster, ray_sessi
     assert sum(1 for n in ray_session.nodes() if n["Alive"]) == nodes_before  # no node joined
 
     # The dashboard agent's job API on a node: no token, no job.
-    # A node whose agent listens: a node that joined may list its port as -1 (its agent not up, or none).
-    nodes = [n for n in ray_session.nodes() if n["Alive"]]
-    listening = [n for n in nodes if (n["DashboardAgentListenPort"] or 0) > 0]
-    assert listening, f"no node of the cluster has a dashboard agent port: {nodes}"
+    # A node whose agent listens: a node lists its port as -1 until its agent is up (minutes on a loaded machine), so
+    # the test waits for one to list it; the bound only ends a failure.
+    deadline = time.monotonic() + 300
+    while True:
+        nodes = [n for n in ray_session.nodes() if n["Alive"]]
+        listening = [n for n in nodes if (n["DashboardAgentListenPort"] or 0) > 0]
+        if listening or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert listening, f"no node of the cluster has a dashboard agent port after 300 s: {nodes}"
     node, port = listening[0], listening[0]["DashboardAgentListenPort"]
     url = f"http://{node['NodeManagerAddress']}:{port}/api/job_agent/jobs/"
     body = b'{"entrypoint": "touch /tmp/gtpo-planted", "submission_id": "rogue"}'
