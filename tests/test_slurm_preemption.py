@@ -290,7 +290,7 @@ def test_a_shortened_time_limit_saves_requeues_and_resumes(slurm, ray_cluster, t
     # run whose count is not the allocation's)
     env.update(LAUNCH_SCRIPT=str(LAUNCHER), GPUS_PER_NODE="2", NGPUS_PER_NODE="2")
     env.update(VERL_FILE_LOGGER_PATH=str(metrics_path))
-    total = 5
+    total = 3  # step 1 before the deadline stop, steps 2 and 3 after the requeue
     args = [
         "trainer=colocate_async", *cpu_args(assets), f"trainer.total_training_steps={total}",
         "trainer.resume_mode=auto", "trainer.logger=[console,file]",
